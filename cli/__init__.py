@@ -1,0 +1,1 @@
+"""The ``gdskv`` command line (mapped into the package as ``gdskv.cli``)."""

@@ -1,0 +1,25 @@
+"""``gdskv``: inspect, verify, evict, gc and pre-warm a store; run the demo and the benchmark.
+
+Exit codes: 0 ok, 1 problems found, 2 usage errors.
+"""
+from __future__ import annotations
+
+import click
+
+from gdskv.cli.demo import demo
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--store", "store_path", envvar="GDSKV_STORE", default=None, help="Store path (default: GDSKV_STORE, the config, or ~/.cache/gdskv/store).")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.pass_context
+def main(ctx: click.Context, store_path: str | None, verbose: int) -> None:
+    """gdskv: a persistent KV-cache store for LLM serving."""
+    import logging
+
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)], format="%(levelname)s %(name)s: %(message)s")
+    ctx.ensure_object(dict)
+    ctx.obj["store_path"] = store_path
+
+
+main.add_command(demo)

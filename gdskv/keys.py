@@ -1,0 +1,87 @@
+"""Content keys for KV blocks.
+
+A *block key* names the KV of one full block of tokens in the context of everything before it:
+``SHA-256(domain, parent key, token ids, cache salt)``. Two prompts that share a block but not
+the prefix before it never share a key, and a salted request never shares a key with another salt.
+Keys are plain bytes, stable across processes, machines and ``PYTHONHASHSEED``.
+
+MAX hands its own canonical hashes (8 big-endian bytes for ahash64, 32 for SHA-256); those are
+block keys as given (``canonical_key``).
+
+The *store key* is what a store file is named and verified by: it mixes the namespace and the
+layer group into the block key, so the same tokens in two layer groups (or two models) never
+collide (``store_key``).
+
+Called by the planner (chained keys for a request's tokens) and by the store (store keys).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Optional, Sequence
+
+BLOCK_KEY_DOMAIN = b"gdskv/block/v1\0"
+STORE_KEY_DOMAIN = b"gdskv/store/v1\0"
+ROOT_PARENT = b"\0" * 32
+CANONICAL_LENGTHS = (8, 32)
+
+
+def _encode_salt(cache_salt: Optional[str | bytes | int]) -> bytes:
+    if cache_salt is None:
+        return b"\0"
+    if isinstance(cache_salt, int):
+        cache_salt = str(cache_salt)
+    if isinstance(cache_salt, str):
+        cache_salt = cache_salt.encode()
+    return b"\1" + struct.pack("<I", len(cache_salt)) + cache_salt
+
+
+def block_key(parent: Optional[bytes], tokens: Sequence[int], cache_salt: Optional[str | bytes | int] = None) -> bytes:
+    """The 32-byte key of one block, chained on ``parent`` (``None`` for the first block)."""
+    h = hashlib.sha256(BLOCK_KEY_DOMAIN)
+    h.update(parent if parent is not None else ROOT_PARENT)
+    h.update(struct.pack("<I", len(tokens)))
+    h.update(b"".join(struct.pack("<q", int(t)) for t in tokens))
+    h.update(_encode_salt(cache_salt))
+    return h.digest()
+
+
+def chain_keys(
+    tokens: Sequence[int],
+    tokens_per_block: int,
+    cache_salt: Optional[str | bytes | int] = None,
+    start: int = 0,
+    parent: Optional[bytes] = None,
+) -> list[bytes]:
+    """Keys of every *full* block of ``tokens`` from block ordinal ``start`` on.
+
+    ``parent`` is the key of block ``start - 1`` (required when ``start > 0`` to extend a chain
+    incrementally without rehashing the prefix).
+    """
+    if start > 0 and parent is None:
+        raise ValueError("extending a key chain from start > 0 needs the parent key")
+    keys = []
+    for b in range(start, len(tokens) // tokens_per_block):
+        parent = block_key(parent, tokens[b * tokens_per_block:(b + 1) * tokens_per_block], cache_salt)
+        keys.append(parent)
+    return keys
+
+
+def canonical_key(h: bytes) -> bytes:
+    """Validate a MAX canonical block hash (8 or 32 bytes) and return it unchanged."""
+    if not isinstance(h, (bytes, bytearray, memoryview)):
+        raise TypeError(f"block hash must be bytes, got {type(h).__name__}")
+    h = bytes(h)
+    if len(h) not in CANONICAL_LENGTHS:
+        raise ValueError(f"block hash must be 8 or 32 bytes (canonical form), got {len(h)}")
+    return h
+
+
+def store_key(namespace_id: str, layer_group: int, key: bytes) -> bytes:
+    """The 32-byte identity of (namespace, layer group, block key): what a chunk is named by."""
+    key = canonical_key(key)
+    h = hashlib.sha256(STORE_KEY_DOMAIN)
+    h.update(namespace_id.encode())
+    h.update(struct.pack("<IB", layer_group, len(key)))
+    h.update(key)
+    return h.digest()

@@ -1,0 +1,215 @@
+"""Page slot ⇄ chunk file: the only code that moves page bytes in and out of the store.
+
+``save_page`` writes a page to a temporary file beside its chunk, with a trailer carrying the
+payload checksum and the full keys, then renames it into place: a reader sees a whole chunk or
+none. ``load_page`` reads the payload straight into the page slot and the trailer beside it, and
+verifies the trailer, the keys and the payload checksum before it reports LOADED. Anything else
+is a miss (MISSING) or, for a chunk that fails a check, CORRUPT: counted and quarantined.
+
+Both return futures and never raise I/O errors to the caller: a full disk, a vanished store or a
+bad chunk degrades to recomputation with a log line and a counter.
+
+Called by the connector workers (TensorRT-LLM: ``start_load_kv`` / ``save_kv_layer``; MAX:
+``load`` / ``offload``), the demo and the benchmarks. One ``PageTransfer`` per namespace.
+"""
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import os
+import secrets
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional, Sequence
+
+import torch
+
+from gdskv import format as fmt
+from gdskv.io.base import IoEngine, Segment, ShortReadError
+from gdskv.store import Namespace
+
+log = logging.getLogger(__name__)
+
+
+class SaveStatus(enum.Enum):
+    PUBLISHED = "published"
+    EXISTS = "exists"
+    DROPPED = "dropped"
+
+
+class LoadStatus(enum.Enum):
+    LOADED = "loaded"
+    MISSING = "missing"
+    CORRUPT = "corrupt"
+
+
+def page_segments(group_layout: Any, slot: int) -> list[torch.Tensor]:
+    """The byte tensors of page slot ``slot`` of a layer group, region by region.
+
+    ``slot_tensor`` raises ``IndexError`` outside the pool, so ``-1`` can never alias a page.
+    """
+    return [r.slot_tensor(slot).reshape(-1).view(torch.uint8) for r in group_layout.regions]
+
+
+def payload_crc(segments: Sequence[torch.Tensor]) -> int:
+    """CRC32C of the concatenated segments (device memory is checksummed from a host copy)."""
+    crc = 0
+    for seg in segments:
+        host = (seg if seg.device.type == "cpu" else seg.to("cpu")).contiguous()
+        crc = fmt.crc32c_at(host.data_ptr(), host.numel() * host.element_size(), crc)
+    return crc
+
+
+class PageTransfer:
+    """Asynchronous page saves and loads for one namespace over one I/O engine."""
+
+    def __init__(self, namespace: Namespace, engine: IoEngine, threads: int = 8, stats_flush_seconds: float = 5.0):
+        self.ns = namespace
+        self.engine = engine
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-xfer")
+        self._flush_every = stats_flush_seconds
+        self._last_flush = time.monotonic()
+        self._warned: dict[str, float] = {}
+        self._warn_lock = threading.Lock()
+
+    # --- saves --------------------------------------------------------------------------------
+    def save_page(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[torch.Tensor]) -> "Future[SaveStatus]":
+        """Publish a page under ``key`` (in layer group ``group``) unless it is already stored.
+
+        The caller keeps the page's memory unchanged until the future resolves.
+        """
+        return self._pool.submit(self._save, group, key, parent, list(segments))
+
+    def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor]) -> SaveStatus:
+        ns = self.ns
+        path = ns.chunk_path(group, key)
+        nbytes = sum(s.numel() for s in segments)
+        expected = ns.spec.group(group).bytes_per_page
+        if nbytes != expected:
+            raise ValueError(f"layer group {group}: page is {nbytes} bytes, namespace expects {expected}")
+        if ns.contains_many(group, [key])[0]:
+            ns.counters.add("saves_exists")
+            return SaveStatus.EXISTS
+        budget = ns.store.budget
+        if budget is not None and not budget.admit(ns, group, nbytes + fmt.TRAILER_BYTES):
+            ns.counters.add("saves_dropped")
+            ns.counters.add("saves_dropped_budget")
+            return SaveStatus.DROPPED
+        trailer = fmt.pack(fmt.Trailer(group, nbytes, payload_crc(segments), ns.store_key(group, key), key, parent))
+        tmp = f"{path}{fmt.TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}"
+        segs, off = [], 0
+        for s in segments:
+            segs.append(Segment(off, s))
+            off += s.numel()
+        segs.append(Segment(off, trailer))
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.engine.write(tmp, segs).result()
+            os.replace(tmp, path)
+        except OSError as e:
+            _unlink_quietly(tmp)
+            ns.counters.add("saves_dropped")
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                ns.counters.add("saves_dropped_disk_full")
+            self._warn("save", f"gdskv: save of a page to {path} dropped: {e}")
+            return SaveStatus.DROPPED
+        finally:
+            self._maybe_flush()
+        ns.counters.add("saves_published")
+        ns.counters.add("bytes_written", nbytes)
+        if budget is not None:
+            budget.on_published(ns, group, key, parent, nbytes + fmt.TRAILER_BYTES)
+        return SaveStatus.PUBLISHED
+
+    # --- loads --------------------------------------------------------------------------------
+    def load_page(self, group: int, key: bytes, segments: Sequence[torch.Tensor]) -> "Future[LoadStatus]":
+        """Read the chunk of ``key`` into the page's segments and verify it.
+
+        Unless the result is LOADED, the segments' contents are undefined and must not be used.
+        """
+        return self._pool.submit(self._load, group, key, list(segments))
+
+    def _load(self, group: int, key: bytes, segments: list[torch.Tensor]) -> LoadStatus:
+        ns = self.ns
+        path = ns.chunk_path(group, key)
+        nbytes = sum(s.numel() for s in segments)
+        trailer = bytearray(fmt.TRAILER_BYTES)
+        segs, off = [], 0
+        for s in segments:
+            segs.append(Segment(off, s))
+            off += s.numel()
+        segs.append(Segment(off, trailer))
+        budget = ns.store.budget
+        if budget is not None:
+            budget.pin(path)
+        try:
+            self.engine.read(path, segs).result()
+            reason = self._verify(group, key, nbytes, bytes(trailer), segments)
+        except FileNotFoundError:
+            ns.counters.add("loads_missing")
+            return LoadStatus.MISSING
+        except ShortReadError:
+            reason = "truncated"
+        except OSError as e:
+            self._warn("load", f"gdskv: load of {path} failed: {e}")
+            ns.counters.add("loads_io_error")
+            return LoadStatus.MISSING
+        finally:
+            if budget is not None:
+                budget.unpin(path)
+            self._maybe_flush()
+        if reason is not None:
+            ns.counters.add("loads_corrupt")
+            ns.quarantine(group, path, reason)
+            return LoadStatus.CORRUPT
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+        ns.counters.add("loads_hit")
+        ns.counters.add("bytes_read", nbytes)
+        return LoadStatus.LOADED
+
+    def _verify(self, group: int, key: bytes, nbytes: int, raw: bytes, segments: list[torch.Tensor]) -> Optional[str]:
+        """None when the chunk is exactly this key's page; otherwise the reason it is not."""
+        try:
+            t = fmt.unpack(raw)
+        except fmt.ChunkFormatError:
+            return "bad-trailer"
+        if t.store_key != self.ns.store_key(group, key) or t.block_key != key or t.layer_group != group:
+            return "foreign-key"
+        if t.payload_nbytes != nbytes:
+            return "bad-size"
+        if payload_crc(segments) != t.payload_crc:
+            return "bad-checksum"
+        return None
+
+    # --- housekeeping -------------------------------------------------------------------------
+    def _warn(self, kind: str, msg: str) -> None:
+        """Log at most once every 10 s per kind: a full disk must not flood the serving log."""
+        now = time.monotonic()
+        with self._warn_lock:
+            if now - self._warned.get(kind, -1e9) < 10:
+                return
+            self._warned[kind] = now
+        log.warning(msg)
+
+    def _maybe_flush(self) -> None:
+        now = time.monotonic()
+        if now - self._last_flush >= self._flush_every:
+            self._last_flush = now
+            self.ns.store.flush_stats()
+
+    def close(self) -> None:
+        """Wait for in-flight transfers and persist counters. The engine is closed by its owner."""
+        self._pool.shutdown(wait=True)
+        self.ns.store.flush_stats()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
