@@ -46,8 +46,8 @@ class KvCacheBufferRef(NamedTuple):
 class KvCacheRegion:
     """A contiguous byte range that repeats once per page slot.
 
-    ``_storage`` is the tensor the addresses point into, when this process built the layout; a
-    region describing foreign memory has none and cannot be viewed as a tensor.
+    ``_storage`` is a flat uint8 view of the tensor the addresses point into, when this process
+    built the layout; a region describing foreign memory has none and cannot be viewed as a tensor.
     """
 
     base: int
@@ -69,12 +69,9 @@ class KvCacheRegion:
         """
         if self._storage is None:
             raise RuntimeError("this region describes memory gdskv did not allocate; no tensor view")
-        storage = self._storage
         flat = torch.as_strided(
-            storage.view(torch.uint8).reshape(-1) if storage.is_contiguous() else storage,
-            size=(self.num_slots, self.size),
-            stride=(self.stride, 1),
-            storage_offset=self.base - storage.data_ptr(),
+            self._storage, size=(self.num_slots, self.size), stride=(self.stride, 1),
+            storage_offset=self.base - self._storage.data_ptr(),
         )
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.size % itemsize:
@@ -146,7 +143,7 @@ def _region_over(t: torch.Tensor, offset: int, size: int, buffers: Sequence[KvCa
         stride=row_bytes,
         num_slots=t.shape[0],
         buffers=tuple(buffers),
-        _storage=t,
+        _storage=t.view(torch.uint8).reshape(-1),
     )
 
 
