@@ -1,0 +1,503 @@
+"""The reference engine's scheduler loop, and how it drives a TensorRT-LLM-style KV cache connector.
+
+``ReferenceEngine.generate`` runs steps until every prompt has its tokens and every page is back.
+One step, in order (the spec's call sequence):
+
+1. reclaim the pages sliding windows have passed (reported ``-1`` in place from then on);
+2. admit waiting requests while capacity lasts: per KV allocation, exactly one
+   ``get_num_new_matched_tokens(request, 0)``; the engine honours full blocks only and at most
+   ``prompt_len - 1`` tokens; then the pages for the loaded prefix plus the first chunk, and
+   ``update_state_after_alloc[_by_layer_group]`` with those blocks only;
+3. allocate the pages this step's chunks need and build a ``SchedulerOutput`` of deltas;
+4. ``meta = scheduler.build_connector_meta(output)``; per worker (a pickle round trip of ``meta``
+   stands in for the broadcast) ``bind_connector_meta(meta)``, ``start_load_kv(None)``;
+5. per layer: every worker's ``wait_for_layer_load(layer, None)``, the layer, every worker's
+   ``save_kv_layer(layer, None)``; then every worker's ``wait_for_save(None)``;
+6. sample; a request that completes gets ``request_finished[_by_layer_group]`` and, if that says a
+   save is under way, keeps its pages;
+7. every worker's ``get_finished(finished_gen_req_ids, started_loading_req_ids)``; a request id
+   counts once every rank has reported it. Saved requests give their pages back; loaded requests
+   join the forward pass from the next step.
+
+A step with nothing to compute (every admitted request loading or saving) still makes every call
+above, the per-layer ones included, so workers are polled until their transfers finish.
+
+Extension (not in TensorRT-LLM): if a worker has ``get_load_failures() -> list[int]``, the engine
+calls it once per step after ``wait_for_save``. A listed request whose loaded prefix has not yet
+been through a complete step has that prefix discarded: the step's result for it is dropped and
+it recomputes from token 0 on the same pages (its next report has ``computed_position`` 0 and no
+new blocks). This is how the store's promise "a corrupt chunk is a miss, never wrong KV" is
+checked end to end; a worker using it must not save KV computed on top of a failed load.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from collections import deque
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from gdskv.engine.config import EngineConfig, ModelConfig
+from gdskv.engine.model import ReferenceModel
+from gdskv.engine.pool import PagedKvCache
+from gdskv.engine.requests import EngineRequest, GenerationResult, RequestState, SchedulerOutput
+from gdskv.layout import BAD_PAGE_INDEX, KvCacheLayout, valid_page_slots
+
+log = logging.getLogger(__name__)
+
+FLAT_CALLBACKS = ("update_state_after_alloc", "request_finished")
+PER_GROUP_CALLBACKS = ("update_state_after_alloc_by_layer_group", "request_finished_by_layer_group")
+SCHEDULER_METHODS = ("get_num_new_matched_tokens", "build_connector_meta")
+SPEC_BASE_CLASSES = ("KvCacheConnectorScheduler", "KvCacheConnectorWorker")
+"""The spec's base classes (TensorRT-LLM's, or a stand-in of the same name): their methods are defaults."""
+WORKER_METHODS = ("bind_connector_meta", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished")
+
+
+class ConnectorError(RuntimeError):
+    """A connector cannot run on this cache (raised at bring-up) or broke the protocol."""
+
+
+def _missing(obj: Any, names: Sequence[str]) -> list[str]:
+    return [n for n in names if not callable(getattr(obj, n, None))]
+
+
+def _implements(obj: Any, name: str) -> bool:
+    """Whether ``obj`` implements ``name`` itself rather than inheriting a spec base-class default.
+
+    A connector subclassing TensorRT-LLM's base classes inherits every callback, the
+    per-layer-group forms and ``register_kv_cache_layout`` included; only an override counts as
+    implementing one. Duck-typed objects implement what they define.
+    """
+    if callable(getattr(obj, "__dict__", {}).get(name)):
+        return True
+    for cls in type(obj).__mro__:
+        if name in vars(cls):
+            return cls.__name__ not in SPEC_BASE_CLASSES and callable(vars(cls)[name])
+    return False
+
+
+def _not_implemented(obj: Any, names: Sequence[str]) -> list[str]:
+    return [n for n in names if not _implements(obj, n)]
+
+
+class ConnectorDriver:
+    """One scheduler (leader) and one worker per TP rank, checked at bring-up and called in spec order.
+
+    Built by ``ReferenceEngine.__init__``; every later method is called by the engine's step loop.
+    Bring-up, before any request: the scheduler uses the per-layer-group callback set when it
+    implements both of its methods (also when it implements both sets), else the flat set, which a
+    cache of more than one layer group refuses; one method from each set is refused, naming the
+    missing one. A method inherited from a class named like the spec's base classes is a default,
+    not an implementation. Each worker gets ``register_kv_cache_layout(layout)`` if it implements
+    it, else ``register_kv_caches(layout.as_single_pool_tensor())``, refused (naming the group and
+    region counts) when the cache is not one tensor.
+    """
+
+    def __init__(self, scheduler: Any, workers: Sequence[Any], layouts: Sequence[KvCacheLayout]) -> None:
+        if len(workers) != len(layouts):
+            raise ConnectorError(f"{len(workers)} connector workers for tp_size={len(layouts)}: one worker per rank")
+        for what, obj, names in [("scheduler", scheduler, SCHEDULER_METHODS)] + [("worker", w, WORKER_METHODS) for w in workers]:
+            if missing := _missing(obj, names):
+                raise ConnectorError(f"connector {what} {type(obj).__name__} lacks {', '.join(missing)}")
+        self.scheduler, self.workers = scheduler, list(workers)
+        self.num_groups = len(layouts[0].groups)
+        self.per_group = self._choose_callback_set(layouts[0])
+        for rank, (worker, layout) in enumerate(zip(self.workers, layouts)):
+            self._register(rank, worker, layout)
+        self._save_reports: dict[int, set[int]] = {}
+        self._load_reports: dict[int, set[int]] = {}
+
+    # -- bring-up ---------------------------------------------------------------------------
+
+    def _choose_callback_set(self, layout: KvCacheLayout) -> bool:
+        """True for the per-layer-group set, False for the flat one; refuse anything else."""
+        name = type(self.scheduler).__name__
+        missing_group = _not_implemented(self.scheduler, PER_GROUP_CALLBACKS)
+        missing_flat = _not_implemented(self.scheduler, FLAT_CALLBACKS)
+        if not missing_group:
+            return True
+        if missing_flat:
+            raise ConnectorError(
+                f"connector scheduler {name} implements no complete callback set: the per-layer-group set lacks "
+                f"{', '.join(missing_group)} and the flat set lacks {', '.join(missing_flat)}; implement exactly one complete set"
+            )
+        if self.num_groups > 1:
+            raise ConnectorError(
+                f"the KV cache has {self.num_groups} layer groups (windows "
+                f"{[g.window_size for g in layout.groups]}) and connector scheduler {name} implements only the flat "
+                f"callbacks; it lacks {', '.join(missing_group)}"
+            )
+        if len(missing_group) == 1:
+            raise ConnectorError(
+                f"connector scheduler {name} mixes the callback sets: it defines "
+                f"{[m for m in PER_GROUP_CALLBACKS if m not in missing_group][0]} but lacks {missing_group[0]}"
+            )
+        window = layout.groups[0].window_size
+        if window is not None:
+            log.warning("flat-only connector %s on a model with sliding window %d: block lists cover the live window only", name, window)
+        return False
+
+    @staticmethod
+    def _register(rank: int, worker: Any, layout: KvCacheLayout) -> None:
+        """``register_kv_cache_layout`` where the worker implements it, else the single-pool tensor."""
+        if _implements(worker, "register_kv_cache_layout"):
+            worker.register_kv_cache_layout(layout)
+            return
+        tensor = layout.as_single_pool_tensor()
+        if tensor is None:
+            raise ConnectorError(
+                f"connector worker {type(worker).__name__} (rank {rank}) has no register_kv_cache_layout, and a cache of "
+                f"{len(layout.groups)} layer groups with {[len(g.regions) for g in layout.groups]} regions cannot be "
+                f"described as one tensor for register_kv_caches"
+            )
+        worker.register_kv_caches(tensor)
+
+    # -- scheduler callbacks ------------------------------------------------------------------
+
+    def matched_tokens(self, request: EngineRequest) -> tuple[int, bool]:
+        """The connector's offer for a freshly admitted request, validated."""
+        answer = self.scheduler.get_num_new_matched_tokens(request, 0)
+        try:
+            num_tokens, is_async = answer
+        except (TypeError, ValueError):
+            raise ConnectorError(f"get_num_new_matched_tokens returned {answer!r}, not (num_tokens, is_async)") from None
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ConnectorError(f"get_num_new_matched_tokens returned num_tokens={num_tokens!r} for request {request.request_id}")
+        if num_tokens == 0 and is_async:
+            raise ConnectorError(
+                f"get_num_new_matched_tokens returned (0, True) for request {request.request_id}: nothing to load asynchronously"
+            )
+        return num_tokens, bool(is_async)
+
+    def after_alloc(self, request: EngineRequest) -> None:
+        ids = [list(g) for g in request.block_ids]
+        if self.per_group:
+            self.scheduler.update_state_after_alloc_by_layer_group(request, ids)
+        else:
+            self.scheduler.update_state_after_alloc(request, ids[0])
+
+    def request_finished(self, request: EngineRequest) -> bool:
+        ids = [list(g) for g in request.block_ids]
+        if self.per_group:
+            return bool(self.scheduler.request_finished_by_layer_group(request, ids))
+        return bool(self.scheduler.request_finished(request, ids[0]))
+
+    # -- worker calls, one step ---------------------------------------------------------------
+
+    def begin_step(self, output: SchedulerOutput) -> None:
+        meta = pickle.dumps(self.scheduler.build_connector_meta(output))
+        for worker in self.workers:
+            worker.bind_connector_meta(pickle.loads(meta))
+            worker.start_load_kv(None)
+
+    def before_layer(self, layer: int) -> None:
+        for worker in self.workers:
+            worker.wait_for_layer_load(layer, None)
+
+    def after_layer(self, layer: int) -> None:
+        for worker in self.workers:
+            worker.save_kv_layer(layer, None)
+
+    def end_forward(self) -> set[int]:
+        """``wait_for_save`` on every worker, then the (extension) load failures of any rank."""
+        for worker in self.workers:
+            worker.wait_for_save(None)
+        failed: set[int] = set()
+        for worker in self.workers:
+            if callable(getattr(worker, "get_load_failures", None)):
+                failed.update(int(i) for i in worker.get_load_failures())
+        return failed
+
+    def poll_finished(self, finished_gen: list[int], started_loading: list[int]) -> tuple[set[int], set[int]]:
+        """Ids every rank has now reported finished saving, and finished loading."""
+        for rank, worker in enumerate(self.workers):
+            saved, loaded = worker.get_finished(list(finished_gen), list(started_loading))
+            for reports, ids in ((self._save_reports, saved), (self._load_reports, loaded)):
+                for rid in ids:
+                    reports.setdefault(int(rid), set()).add(rank)
+        ranks = len(self.workers)
+        done = [{rid for rid, r in reports.items() if len(r) == ranks} for reports in (self._save_reports, self._load_reports)]
+        for reports, ids in zip((self._save_reports, self._load_reports), done):
+            for rid in ids:
+                del reports[rid]
+        return done[0], done[1]
+
+
+class ReferenceEngine:
+    """A paged-attention decoder on CPU that drives a KV cache connector exactly as the spec says.
+
+    ``scheduler`` and ``workers`` (one per TP rank) are the connector's two halves, duck-typed on
+    the spec's ``KvCacheConnectorScheduler`` / ``KvCacheConnectorWorker`` methods; both ``None``
+    runs without a connector. Bring-up checks (callback sets, layout registration) run here.
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        engine_cfg: EngineConfig = EngineConfig(),
+        scheduler: Any = None,
+        workers: Optional[Sequence[Any]] = None,
+    ) -> None:
+        if (scheduler is None) != (workers is None):
+            raise ConnectorError("a connector needs both its scheduler and its workers")
+        self.model_cfg, self.engine_cfg = model_cfg, engine_cfg
+        self.model = ReferenceModel(model_cfg)
+        self.kv = PagedKvCache(model_cfg, engine_cfg)
+        self.connector = ConnectorDriver(scheduler, workers, self.kv.layouts) if scheduler is not None else None
+        self._next_request_id = 0
+        self._waiting: deque[EngineRequest] = deque()
+        self._active: list[EngineRequest] = []
+        # Ids every rank has reported saved, kept until the request is complete: a worker may
+        # report a save done before it is told the request finished.
+        self._saved_ready: set[int] = set()
+
+    @property
+    def layouts(self) -> list[KvCacheLayout]:
+        """Each TP rank's ``KvCacheLayout`` (what its worker was registered with)."""
+        return self.kv.layouts
+
+    def poison_intact(self) -> bool:
+        """True when no pool's poisoned last slot was written (needs ``poison_last_slot``).
+
+        The slot reads as NaN, so a read of it (by the engine, or by a connector that saves it and
+        loads it back) shows up as NaN logits instead.
+        """
+        return self.kv.poison_intact()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        cache_salts: Optional[Sequence[Optional[str]]] = None,
+        split_prefill_at: Union[None, int, Sequence[Optional[int]]] = None,
+    ) -> list[GenerationResult]:
+        """Greedy-decode ``max_new_tokens`` tokens for every prompt, all in one batch.
+
+        ``split_prefill_at`` forces a prefill chunk boundary at that token (per prompt, or one for
+        all): chunks run up to it, then restart from it. A run that loaded N tokens from the
+        connector is bit-identical to a from-scratch run split at N.
+        """
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
+        splits = list(split_prefill_at) if isinstance(split_prefill_at, Sequence) else [split_prefill_at] * len(prompts)
+        if len(salts) != len(prompts) or len(splits) != len(prompts):
+            raise ValueError("cache_salts and split_prefill_at need one entry per prompt")
+        now = time.perf_counter()
+        requests = []
+        for prompt, salt, split in zip(prompts, salts, splits):
+            tokens = [int(t) for t in prompt]
+            if not tokens or not all(0 <= t < self.model_cfg.vocab_size for t in tokens):
+                raise ValueError(f"a prompt must be non-empty with token ids in [0, {self.model_cfg.vocab_size})")
+            request = EngineRequest(self._next_request_id, tokens, max_new_tokens, salt, split, now, len(self.kv.groups))
+            for gid, need in enumerate(self._blocks_needed(request)):
+                if need > self.kv.allocator.capacity[gid]:
+                    raise ValueError(
+                        f"a request of {len(tokens)} + {max_new_tokens} tokens needs {need} pages in layer group {gid}, "
+                        f"more than num_slots allows ({self.kv.allocator.capacity[gid]})"
+                    )
+            self._next_request_id += 1
+            requests.append(request)
+        self._waiting.extend(requests)
+        threads = torch.get_num_threads()
+        if self.engine_cfg.intra_op_threads is not None:
+            torch.set_num_threads(self.engine_cfg.intra_op_threads)
+        try:
+            self._run_until_drained()
+        finally:
+            torch.set_num_threads(threads)
+        return [
+            GenerationResult(r.request_id, r.prompt, r.generated, r.logits, r.num_loaded, r.ttft_s, r.kv_pages)
+            for r in requests
+        ]
+
+    # -- the step loop ------------------------------------------------------------------------
+
+    def _run_until_drained(self) -> None:
+        """Step until no request waits, runs, loads or saves; raise if the connector stalls."""
+        last_progress = time.monotonic()
+        while self._waiting or self._active:
+            if self._step():
+                last_progress = time.monotonic()
+                continue
+            if time.monotonic() - last_progress > self.engine_cfg.async_timeout_s:
+                stuck = {r.request_id: r.state.value for r in self._active}
+                raise ConnectorError(f"no progress for {self.engine_cfg.async_timeout_s}s waiting on the connector: {stuck}")
+            time.sleep(0.001)
+
+    def _blocks_needed(self, request: EngineRequest) -> list[int]:
+        """Worst-case pages per group over the request's life (every token but the last is fed)."""
+        tokens = request.prompt_len + request.max_new_tokens - 1
+        return [-(-tokens // self.kv.tokens_per_block)] * len(self.kv.groups)
+
+    def _can_admit(self, request: EngineRequest) -> bool:
+        if sum(r.state in (RequestState.RUNNING, RequestState.LOADING) for r in self._active) >= self.engine_cfg.max_batch:
+            return False
+        for gid, need in enumerate(self._blocks_needed(request)):
+            promised = sum(
+                max(0, self._blocks_needed(r)[gid] - len(r.block_ids[gid]))
+                for r in self._active if r.state in (RequestState.RUNNING, RequestState.LOADING)
+            )
+            if self.kv.allocator.num_free(gid) - promised < need:
+                return False
+        return True
+
+    def _allocate_through(self, request: EngineRequest, end: int) -> None:
+        """Give ``request`` a page in every group for each block ordinal up to token ``end``."""
+        blocks = -(-end // self.kv.tokens_per_block)
+        for gid, ids in enumerate(request.block_ids):
+            while len(ids) < blocks:
+                ids.append(self.kv.allocator.allocate(gid))
+
+    def _release(self, request: EngineRequest) -> None:
+        for gid, ids in enumerate(request.block_ids):
+            for _, slot in valid_page_slots(ids):
+                self.kv.allocator.free(gid, slot)
+        request.state = RequestState.DONE
+        self._active.remove(request)
+
+    def _admit(self, request: EngineRequest) -> bool:
+        """Ask the connector, allocate the first chunk, tell the connector. True if it loads async.
+
+        An asynchronous offer the engine honours for 0 tokens (less than a block) is not waited
+        for: the request runs at once, and its first report's ``computed_position`` 0 says so.
+        """
+        tpb = self.kv.tokens_per_block
+        offered, is_async = self.connector.matched_tokens(request) if self.connector else (0, False)
+        honoured = min(offered, request.prompt_len - 1) // tpb * tpb
+        request.num_loaded = request.num_computed = honoured
+        request.prefix_verified = honoured == 0
+        self._allocate_through(request, request.next_chunk(self.engine_cfg.chunk_size)[1])
+        if self.connector:
+            self.connector.after_alloc(request)
+        loading = is_async and honoured > 0
+        request.state = RequestState.LOADING if loading else RequestState.RUNNING
+        self._active.append(request)
+        return loading
+
+    def _step(self) -> bool:
+        """One scheduler iteration (see the module docstring); True if any request made progress."""
+        self._reclaim_passed_pages()
+        admitted, started_loading = self._admit_waiting()
+        scheduled = [r for r in self._active if r.state is RequestState.RUNNING]
+        chunks = {r.request_id: r.next_chunk(self.engine_cfg.chunk_size) for r in scheduled}
+        output = SchedulerOutput()
+        for r in [r for r in admitted if r.state is RequestState.LOADING] + scheduled:
+            start, end = chunks.get(r.request_id, (r.num_computed, r.num_computed))
+            self._allocate_through(r, end)
+            is_new, data = r.report(end - start)
+            (output.new_requests if is_new else output.cached_requests).append(data)
+
+        if self.connector:
+            self.connector.begin_step(output)
+        last_rows = self._forward(scheduled, chunks)
+        discarded = self._discard_failed_loads(self.connector.end_forward() if self.connector else set())
+
+        finished_gen: list[int] = []
+        for r in scheduled:
+            if r.request_id in discarded:
+                continue
+            r.num_computed, r.prefix_verified = chunks[r.request_id][1], True
+            if r.num_computed >= r.prompt_len:
+                logits = self.model.logits(last_rows[r.request_id])
+                if not r.logits:
+                    r.ttft_s = time.perf_counter() - r.arrival_s
+                r.logits.append(logits)
+                r.generated.append(int(torch.argmax(logits)))
+            if r.is_complete:
+                self._complete(r, finished_gen)
+        moved = self._poll_finished(finished_gen, started_loading)
+        return moved or bool(scheduled or admitted)
+
+    def _reclaim_passed_pages(self) -> None:
+        """Free the pages sliding windows have passed; their entries become ``-1`` in place.
+
+        A request whose loaded prefix is not verified yet keeps every page, so a reported load
+        failure can still be recomputed on them.
+        """
+        tpb = self.kv.tokens_per_block
+        for r in self._active:
+            if r.state is not RequestState.RUNNING or not r.prefix_verified:
+                continue
+            for group in self.kv.groups:
+                ids = r.block_ids[group.layer_group_id]
+                for ordinal in group.passed_blocks(ids, r.num_computed, tpb):
+                    self.kv.allocator.free(group.layer_group_id, ids[ordinal])
+                    ids[ordinal] = BAD_PAGE_INDEX
+
+    def _admit_waiting(self) -> tuple[list[EngineRequest], list[int]]:
+        """Admit waiting requests in arrival order while they fit; also the ids that load async."""
+        admitted: list[EngineRequest] = []
+        started_loading: list[int] = []
+        while self._waiting and self._can_admit(self._waiting[0]):
+            request = self._waiting.popleft()
+            admitted.append(request)
+            if self._admit(request):
+                started_loading.append(request.request_id)
+        return admitted, started_loading
+
+    def _forward(self, scheduled: list[EngineRequest], chunks: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """Run every layer over every scheduled chunk, between the workers' per-layer hooks.
+
+        Returns each request's last output row (the one logits are taken from).
+        """
+        rows = {r.request_id: self.model.embed(r.get_tokens(0)[slice(*chunks[r.request_id])]) for r in scheduled}
+        kvs = {r.request_id: self.kv.request_kv(r.block_ids) for r in scheduled}
+        for layer in range(self.model_cfg.num_layers):
+            if self.connector:
+                self.connector.before_layer(layer)
+            for r in scheduled:
+                positions = list(range(*chunks[r.request_id]))
+                rows[r.request_id] = self.model.layer_forward(layer, rows[r.request_id], positions, kvs[r.request_id])
+            if self.connector:
+                self.connector.after_layer(layer)
+        return {rid: out[-1] for rid, out in rows.items()}
+
+    def _discard_failed_loads(self, failed: set[int]) -> set[int]:
+        """Apply the ``get_load_failures`` extension; return the ids whose loaded prefix was dropped."""
+        discarded = set()
+        for r in self._active:
+            if r.request_id not in failed or r.state not in (RequestState.RUNNING, RequestState.LOADING):
+                continue
+            if r.prefix_verified:
+                log.warning("connector reported a load failure for request %d after its loaded KV was used; ignored", r.request_id)
+                continue
+            log.warning("connector reported a load failure for request %d: recomputing its %d loaded tokens", r.request_id, r.num_loaded)
+            r.num_loaded = r.num_computed = 0
+            r.prefix_verified = True
+            discarded.add(r.request_id)
+        return discarded
+
+    def _poll_finished(self, finished_gen: list[int], started_loading: list[int]) -> bool:
+        """``get_finished`` on every worker: release saved requests, start loaded ones. True if any."""
+        if not self.connector:
+            return False
+        saved, loaded = self.connector.poll_finished(finished_gen, started_loading)
+        self._saved_ready |= saved
+        moved = False
+        for r in list(self._active):
+            if r.state is RequestState.SAVING and r.request_id in self._saved_ready:
+                self._saved_ready.discard(r.request_id)
+                self._release(r)
+                moved = True
+            elif r.state is RequestState.LOADING and r.request_id in loaded:
+                r.state = RequestState.RUNNING
+                moved = True
+        return moved
+
+    def _complete(self, request: EngineRequest, finished_gen: list[int]) -> None:
+        """Hand a complete request's pages to the connector (or back to the allocator)."""
+        if self.engine_cfg.capture_pages:
+            request.kv_pages = {
+                (rank, gid, ordinal): self.kv.page_bytes(rank, gid, slot)
+                for rank in range(self.engine_cfg.tp_size)
+                for gid, ids in enumerate(request.block_ids)
+                for ordinal, slot in valid_page_slots(ids)
+            }
+        if self.connector and self.connector.request_finished(request):
+            request.state = RequestState.SAVING
+            finished_gen.append(request.request_id)
+        else:
+            self._release(request)
