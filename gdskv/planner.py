@@ -1,0 +1,401 @@
+"""Engine-agnostic planning: what a request can be served from the store, and what to save when.
+
+Everything here is pure logic over plain data (token lists, page-slot lists, booleans): no store,
+no tensors, no engine types. A connector adapts its engine's callbacks onto these functions and
+hands the store in as one predicate, ``stored(layer_group_id, keys) -> list[bool]`` ("is every
+TP shard of this block present"), so the rules below are testable without any of it.
+
+The rules (TensorRT-LLM KV Cache Connector spec, gdskv DESIGN.md):
+
+- Keys: block ``i`` of a request is named by ``gdskv.keys.chain_keys`` over its tokens with the
+  request's ``cache_salt`` mixed in. ``RequestData.block_hashes`` is never needed.
+- Lookup: full blocks only, contiguous from the first block not already on the device; stop at
+  the first block ordinal that any layer group (on any TP shard) misses, so the smallest window
+  bounds the served prefix; never the whole prompt (at least one token is computed, so the
+  engine has logits to sample from).
+- Page slots: a request's ``block ordinal -> page slot`` map per layer group is built only
+  through ``valid_page_slots``; ``-1`` never becomes a transfer target, and an ordinal reported
+  as ``-1`` later drops its page. Every transfer target is ``(layer_group_id, page_slot)``.
+- Loads: planned once, on the request's first report, into the pages known then.
+- Saves: a block is planned for saving in the step whose forward pass completes its tokens,
+  never deferred to ``request_finished``; each (group, ordinal) is decided at most once; a block
+  already in the store, or just loaded from it, is not written again. Under a sliding window only
+  blocks that lie entirely inside the live window at the end of the step are saved, so at most
+  ``window_size`` tokens per sequence are persisted and no page the cache may reclaim is read.
+
+Who calls what: ``gdskv.connectors.trtllm.GdsKvScheduler`` (and any other connector front end)
+calls ``plan_lookup`` from ``get_num_new_matched_tokens``, ``RequestState.record_alloc`` from
+``update_state_after_alloc(_by_layer_group)``, and ``plan_step`` for every entry of
+``build_connector_meta``'s ``new_requests`` and ``cached_requests``; the resulting
+``ConnectorMetadata`` is what the workers execute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from gdskv.keys import chain_keys
+from gdskv.layout import valid_page_slots
+
+Salt = Optional[str | bytes | int]
+StoredFn = Callable[[int, Sequence[bytes]], list[bool]]
+"""``stored(layer_group_id, keys)``: for each key, whether the store holds it (every TP shard)."""
+
+
+# --- the metadata the workers execute -------------------------------------------------------
+
+@dataclass(frozen=True)
+class PageOp:
+    """One page transfer: the page slot ``page_slot`` of layer group ``layer_group_id`` to or
+    from the store chunk named ``key`` (``parent_key`` is the key of the block before it, or
+    ``None`` for block 0; the store records it for prefix-aware eviction)."""
+
+    layer_group_id: int
+    page_slot: int
+    key: bytes
+    parent_key: Optional[bytes]
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """One request's transfers for one step, per layer group id."""
+
+    request_id: int
+    loads: dict[int, tuple[PageOp, ...]] = field(default_factory=dict)
+    saves: dict[int, tuple[PageOp, ...]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.loads.values()) and not any(self.saves.values())
+
+
+@dataclass(frozen=True)
+class ConnectorMetadata:
+    """What the scheduler's ``build_connector_meta`` returns for one step; picklable, broadcast to
+    every TP rank's worker, bound there with ``bind_connector_meta``. ``step`` numbers the
+    scheduler's steps, so a worker never executes the same metadata twice."""
+
+    plans: tuple[RequestPlan, ...] = ()
+    step: int = 0
+
+    def loads_of_group(self, layer_group_id: int) -> list[tuple[int, PageOp]]:
+        """``(request_id, op)`` for every load into layer group ``layer_group_id``."""
+        return [(p.request_id, op) for p in self.plans for op in p.loads.get(layer_group_id, ())]
+
+    def saves_of_group(self, layer_group_id: int) -> list[tuple[int, PageOp]]:
+        """``(request_id, op)`` for every save from layer group ``layer_group_id``."""
+        return [(p.request_id, op) for p in self.plans for op in p.saves.get(layer_group_id, ())]
+
+
+# --- what an engine reports each step --------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepReport:
+    """One request's entry of a step, engine-neutral (built from TensorRT-LLM's ``RequestData``).
+
+    ``new_tokens`` and ``new_block_ids_by_group[g]`` are deltas since the request's previous
+    report (everything, on its first). ``computed_position`` counts tokens whose KV exists before
+    this step (on a first report TensorRT-LLM leaves out the tokens the connector promised);
+    ``num_scheduled_tokens`` is what this step's forward pass computes.
+    """
+
+    request_id: int
+    new_tokens: Sequence[int]
+    new_block_ids_by_group: Sequence[Sequence[int]]
+    computed_position: int
+    num_scheduled_tokens: int
+    cache_salt: Salt = None
+
+
+# --- pure helpers ------------------------------------------------------------------------------
+
+def max_servable_blocks(num_tokens: int, tokens_per_block: int) -> int:
+    """Most full blocks that may be served for a prompt of ``num_tokens``: at least one token is
+    left for the engine to compute, so never the whole prompt."""
+    return max(0, (num_tokens - 1) // tokens_per_block)
+
+
+def first_live_block(end: int, window: Optional[int], tokens_per_block: int) -> int:
+    """First block ordinal lying entirely inside the live window once ``end`` tokens have KV.
+
+    A query at position ``end`` attends to ``[end - window + 1, end]`` (itself included), so the
+    pages it still needs hold positions ``>= end - window + 1``; a block is live when all of its
+    tokens are. ``None`` (full attention) keeps every block live.
+    """
+    if window is None:
+        return 0
+    lo = end - window + 1
+    return max(0, -(-lo // tokens_per_block))
+
+
+def contiguous_hits(present: Sequence[Sequence[bool]], first: int = 0) -> int:
+    """Length of the run of ordinals from ``first`` that every list in ``present`` holds.
+
+    ``present[j][i]`` says whether holder ``j`` (a layer group on a TP shard) holds block
+    ordinal ``first + i``; the run stops at the first ordinal any holder misses. Returns the
+    ordinal one past the run (``first`` when nothing is held).
+    """
+    n = min((len(p) for p in present), default=0)
+    for i in range(n):
+        if not all(p[i] for p in present):
+            return first + i
+    return first + n
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The answer to "how much of this prompt can the store serve": blocks ``[first_block,
+    end_block)`` of ``keys``; ``num_new_tokens`` is what ``get_num_new_matched_tokens`` returns."""
+
+    keys: tuple[bytes, ...]
+    first_block: int
+    end_block: int
+    num_computed_tokens: int
+    tokens_per_block: int
+
+    @property
+    def num_new_tokens(self) -> int:
+        return max(0, self.end_block * self.tokens_per_block - self.num_computed_tokens)
+
+
+def plan_lookup(
+    tokens: Sequence[int],
+    cache_salt: Salt,
+    tokens_per_block: int,
+    num_computed_tokens: int,
+    num_groups: int,
+    stored: StoredFn,
+) -> Lookup:
+    """Decide how many prompt tokens the store serves beyond the ``num_computed_tokens`` the
+    engine already holds on the device.
+
+    The device prefix is not looked up. A device prefix that ends inside a block is not extended
+    (loading that whole block would overwrite a page the engine may share), so the answer is 0.
+    """
+    keys = tuple(chain_keys(tokens, tokens_per_block, cache_salt))
+    limit = max_servable_blocks(len(tokens), tokens_per_block)
+    first = num_computed_tokens // tokens_per_block
+    if num_computed_tokens % tokens_per_block or first >= limit:
+        return Lookup(keys, first, first, num_computed_tokens, tokens_per_block)
+    end = limit
+    for g in range(num_groups):  # each group is asked only about the run the others still hold
+        end = contiguous_hits([stored(g, keys[first:end])], first)
+        if end == first:
+            break
+    return Lookup(keys, first, end, num_computed_tokens, tokens_per_block)
+
+
+# --- per-request state ---------------------------------------------------------------------------
+
+@dataclass
+class RequestState:
+    """What the scheduler knows about one request between steps.
+
+    Created by ``new_request`` at the lookup (or at the request's first report when no lookup
+    happened), updated by ``record_alloc`` and ``plan_step``, dropped at ``request_finished``.
+    """
+
+    request_id: int
+    tokens_per_block: int
+    num_groups: int
+    cache_salt: Salt = None
+    tokens: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    pages: list[dict[int, int]] = field(init=False)
+    """Per layer group: block ordinal -> page slot, only ever filled through ``valid_page_slots``."""
+    reported_blocks: list[int] = field(init=False)
+    """Per layer group: block ordinals covered by the reports so far (where the next delta starts)."""
+    promised: tuple[int, int] = (0, 0)
+    """Block ordinals ``[first, end)`` the lookup promised; loaded on the first report."""
+    decided: list[int] = field(init=False)
+    """Per layer group: every ordinal below this was saved, skipped or found unsaveable."""
+    kv_end: int = 0
+    """Tokens whose KV the last planned step left in the pages."""
+    reported: bool = False
+    saves_planned: int = 0
+
+    def __post_init__(self) -> None:
+        self.pages = [{} for _ in range(self.num_groups)]
+        self.reported_blocks = [0] * self.num_groups
+        self.decided = [0] * self.num_groups
+
+    # -- tokens and keys -------------------------------------------------------------------
+    def set_tokens(self, tokens: Sequence[int]) -> None:
+        """Replace the token list (a first report restates everything) and rekey if it changed."""
+        tokens = [int(t) for t in tokens]
+        if tokens[: len(self.tokens)] != self.tokens:
+            self.keys = []
+        self.tokens = tokens
+        self._extend_keys()
+
+    def adopt_salt(self, cache_salt: Salt) -> None:
+        """Take the salt a first report carries when the lookup saw none (a runtime whose request
+        object does not expose it): every key from here on is salted with it."""
+        if cache_salt is not None and cache_salt != self.cache_salt:
+            self.cache_salt = cache_salt
+            self.keys = []
+            self._extend_keys()
+
+    def extend_tokens(self, new_tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in new_tokens)
+        self._extend_keys()
+
+    def _extend_keys(self) -> None:
+        start = len(self.keys)
+        parent = self.keys[-1] if self.keys else None
+        self.keys.extend(chain_keys(self.tokens, self.tokens_per_block, self.cache_salt, start=start, parent=parent))
+
+    def parent_of(self, ordinal: int) -> Optional[bytes]:
+        return self.keys[ordinal - 1] if ordinal > 0 else None
+
+    # -- pages ---------------------------------------------------------------------------------
+    def apply_pages(self, layer_group_id: int, first_ordinal: int, page_indices: Sequence[int]) -> None:
+        """Record ``page_indices[i]`` as the page of ordinal ``first_ordinal + i`` in a group.
+
+        Entries that address a page (per ``valid_page_slots``) set it; the others (``-1``)
+        remove whatever page the ordinal had, since the cache no longer holds it.
+        """
+        pages = self.pages[layer_group_id]
+        valid = dict(valid_page_slots(page_indices))
+        for i in range(len(page_indices)):
+            if i in valid:
+                pages[first_ordinal + i] = valid[i]
+            else:
+                pages.pop(first_ordinal + i, None)
+
+    def record_alloc(self, block_ids_by_group: Sequence[Sequence[int]]) -> None:
+        """``update_state_after_alloc(_by_layer_group)``: pages of the first chunk, from ordinal 0.
+
+        Does not move ``reported_blocks``: the request's first report restates these ordinals.
+        """
+        self._check_groups(block_ids_by_group)
+        for g, ids in enumerate(block_ids_by_group):
+            self.apply_pages(g, 0, ids)
+
+    def record_report(self, report: StepReport, first: bool) -> None:
+        """Fold one step's deltas in: tokens, and pages per group (from ordinal 0 on a first report,
+        after the previously reported ordinals otherwise)."""
+        if first:
+            self.set_tokens(report.new_tokens)
+            self.reported_blocks = [0] * self.num_groups
+        else:
+            self.extend_tokens(report.new_tokens)
+        self._check_groups(report.new_block_ids_by_group)
+        for g, ids in enumerate(report.new_block_ids_by_group):
+            self.apply_pages(g, self.reported_blocks[g], ids)
+            self.reported_blocks[g] += len(ids)
+        self.reported = True
+
+    def rewind(self, position: int) -> None:
+        """The engine discarded KV from ``position`` on (it recomputes after a failed load): the
+        promised prefix is no longer loaded, and blocks from there on are undecided again."""
+        self.promised = (0, 0)
+        self.decided = [min(d, position // self.tokens_per_block) for d in self.decided]
+        self.kv_end = position
+
+    def forget_before(self, layer_group_id: int, ordinal: int) -> None:
+        """Drop pages of ordinals below ``ordinal``: the window has passed them and the cache may
+        hand their slots to other blocks without telling us."""
+        pages = self.pages[layer_group_id]
+        for o in [o for o in pages if o < ordinal]:
+            del pages[o]
+
+    def _check_groups(self, lists: Sequence[Sequence[int]]) -> None:
+        if len(lists) > self.num_groups:
+            raise ValueError(f"request {self.request_id}: page lists for {len(lists)} layer groups, the layout has {self.num_groups}")
+
+
+def new_request(
+    request_id: int,
+    tokens: Sequence[int],
+    cache_salt: Salt,
+    tokens_per_block: int,
+    num_groups: int,
+    lookup: Optional[Lookup] = None,
+) -> RequestState:
+    """Fresh state for a request (at its lookup, or at a first report without one)."""
+    state = RequestState(request_id, tokens_per_block, num_groups, cache_salt)
+    state.set_tokens(tokens)
+    if lookup is not None and lookup.end_block > lookup.first_block:
+        state.promised = (lookup.first_block, lookup.end_block)
+    return state
+
+
+# --- one step ------------------------------------------------------------------------------------
+
+def plan_step(
+    state: RequestState,
+    report: StepReport,
+    first: bool,
+    windows: Sequence[Optional[int]],
+    stored: StoredFn,
+) -> RequestPlan:
+    """Fold a step's report into ``state`` and plan its loads and saves.
+
+    ``first`` is whether the report came in ``new_requests``. ``windows[g]`` is layer group
+    ``g``'s attention window (``None`` = full attention).
+
+    The KV that exists at the end of the step is taken as ``computed_position +
+    num_scheduled_tokens``. On a first report that leaves out the promised prefix, which only
+    delays (never advances) saves of the blocks past it: a runtime may honour less than promised,
+    and a block is saved only once its tokens are certainly computed. A later report whose
+    ``computed_position`` is behind that end means the engine threw KV away and recomputes it
+    (the reference engine does after a failed load): planning rewinds to that position.
+    """
+    if not first and report.computed_position < state.kv_end:
+        state.rewind(report.computed_position)
+    state.record_report(report, first)
+    tpb = state.tokens_per_block
+    loads: dict[int, tuple[PageOp, ...]] = {}
+    if first and state.promised[1] > state.promised[0]:
+        loads = _plan_loads(state)  # under the keys the lookup found them by
+    if first:
+        state.adopt_salt(report.cache_salt)
+    end = min(report.computed_position + report.num_scheduled_tokens, len(state.tokens))
+    state.kv_end = end
+    saves = _plan_saves(state, end // tpb, [first_live_block(end, w, tpb) for w in windows], stored)
+    for g, w in enumerate(windows):
+        if w is not None:
+            state.forget_before(g, first_live_block(end, w, tpb))
+    return RequestPlan(report.request_id, loads, saves)
+
+
+def _plan_loads(state: RequestState) -> dict[int, tuple[PageOp, ...]]:
+    """Loads of the promised blocks into the pages known now, per group; blocks a group has no
+    page for are not needed by the engine there. Marks the promised blocks decided (not saved)."""
+    first, end = state.promised
+    loads = {}
+    for g in range(state.num_groups):
+        ops = tuple(
+            PageOp(g, state.pages[g][o], state.keys[o], state.parent_of(o))
+            for o in range(first, end) if o in state.pages[g]
+        )
+        if ops:
+            loads[g] = ops
+    return loads
+
+
+def _plan_saves(state: RequestState, complete: int, live_from: Sequence[int], stored: StoredFn) -> dict[int, tuple[PageOp, ...]]:
+    """Saves of blocks that are complete (ordinal < ``complete``), have a page, lie in the live
+    window (ordinal >= ``live_from[g]``) and are not in the store; every ordinal below
+    ``complete`` is decided afterwards, so none is considered twice."""
+    p_first, p_end = state.promised
+    saves = {}
+    for g in range(state.num_groups):
+        start = state.decided[g]
+        candidates = [
+            o for o in range(max(start, live_from[g]), complete)
+            if o in state.pages[g] and not p_first <= o < p_end
+        ]
+        state.decided[g] = max(start, complete)
+        if not candidates:
+            continue
+        present = stored(g, [state.keys[o] for o in candidates])
+        ops = tuple(
+            PageOp(g, state.pages[g][o], state.keys[o], state.parent_of(o))
+            for o, there in zip(candidates, present) if not there
+        )
+        if ops:
+            saves[g] = ops
+            state.saves_planned += len(ops)
+    return saves

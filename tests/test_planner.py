@@ -1,0 +1,333 @@
+"""The planner's rules, as pure functions over plain data (no store, no engine).
+
+A small simulated engine (``_Sim``) reports chunked prefill and generation the way TensorRT-LLM
+does (first report restates everything, later reports are deltas, sliding windows report ``-1``
+in place for passed blocks and never restate an earlier entry), and hypothesis drives it.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gdskv.keys import chain_keys
+from gdskv.layout import BAD_PAGE_INDEX
+from gdskv.planner import (
+    ConnectorMetadata,
+    RequestPlan,
+    StepReport,
+    contiguous_hits,
+    first_live_block,
+    max_servable_blocks,
+    new_request,
+    plan_lookup,
+    plan_step,
+)
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def stored_in(held: dict[int, set[bytes]]):
+    """A ``stored`` predicate over per-group key sets."""
+    return lambda g, keys: [k in held.get(g, set()) for k in keys]
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+def test_max_servable_blocks_leaves_a_token_to_compute():
+    assert max_servable_blocks(0, 4) == 0
+    assert max_servable_blocks(1, 4) == 0
+    assert max_servable_blocks(4, 4) == 0
+    assert max_servable_blocks(5, 4) == 1
+    assert max_servable_blocks(8, 4) == 1
+    assert max_servable_blocks(9, 4) == 2
+
+
+@given(end=st.integers(0, 200), window=st.integers(1, 64), tpb=st.integers(1, 16))
+def test_first_live_block_is_the_first_block_wholly_in_the_window(end, window, tpb):
+    lo = end - window + 1  # the oldest position a query at ``end`` attends to
+    first = first_live_block(end, window, tpb)
+    assert first * tpb >= lo
+    if first > 0:
+        assert (first - 1) * tpb < lo
+    assert first_live_block(end, None, tpb) == 0
+
+
+@given(st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=4), st.integers(0, 5))
+def test_contiguous_hits_stops_at_the_first_ordinal_any_holder_misses(present, first):
+    end = contiguous_hits(present, first)
+    run = end - first
+    assert all(p[i] for p in present for i in range(run))
+    assert run == 6 or not all(p[run] for p in present)
+
+
+# --- lookup ----------------------------------------------------------------------------------------
+
+tokens_st = st.lists(st.integers(0, 50), min_size=1, max_size=60)
+
+
+@SETTINGS
+@given(tokens=tokens_st, tpb=st.integers(1, 8), groups=st.integers(1, 3), data=st.data())
+def test_served_prefix_never_exceeds_any_groups_contiguous_hits(tokens, tpb, groups, data):
+    keys = chain_keys(tokens, tpb)
+    held = {g: {k for k in keys if data.draw(st.booleans())} for g in range(groups)}
+    lookup = plan_lookup(tokens, None, tpb, 0, groups, stored_in(held))
+    for g in range(groups):
+        run = 0
+        while run < len(keys) and keys[run] in held[g]:
+            run += 1
+        assert lookup.end_block <= run
+    assert lookup.end_block <= max_servable_blocks(len(tokens), tpb)
+    assert lookup.num_new_tokens == lookup.end_block * tpb
+    assert lookup.num_new_tokens <= len(tokens) - 1
+    # maximal: the next block is missing somewhere or the cap is reached
+    if lookup.end_block < max_servable_blocks(len(tokens), tpb):
+        assert any(keys[lookup.end_block] not in held[g] for g in range(groups))
+
+
+def test_lookup_never_serves_the_whole_prompt():
+    tokens = list(range(16))
+    keys = chain_keys(tokens, 4)
+    lookup = plan_lookup(tokens, None, 4, 0, 1, stored_in({0: set(keys)}))
+    assert lookup.end_block == 3 and lookup.num_new_tokens == 12
+
+
+def test_lookup_starts_after_the_device_prefix_and_refuses_a_partial_one():
+    tokens = list(range(20))
+    keys = chain_keys(tokens, 4)
+    held = {0: set(keys[2:])}  # blocks 0-1 evicted from the store, held on the device
+    assert plan_lookup(tokens, None, 4, 0, 1, stored_in(held)).num_new_tokens == 0
+    lookup = plan_lookup(tokens, None, 4, 8, 1, stored_in(held))
+    assert (lookup.first_block, lookup.end_block, lookup.num_new_tokens) == (2, 4, 8)
+    assert plan_lookup(tokens, None, 4, 9, 1, stored_in(held)).num_new_tokens == 0
+
+
+@given(tokens=st.lists(st.integers(0, 50), min_size=9, max_size=40), salt=st.text(min_size=1, max_size=5))
+def test_keys_include_the_salt_and_a_salt_never_hits_another_salts_blocks(tokens, salt):
+    plain, salted = chain_keys(tokens, 4), chain_keys(tokens, 4, salt)
+    assert not set(plain) & set(salted)
+    held = {0: set(salted)}
+    assert plan_lookup(tokens, None, 4, 0, 1, stored_in(held)).num_new_tokens == 0
+    assert plan_lookup(tokens, salt + "x", 4, 0, 1, stored_in(held)).num_new_tokens == 0
+    assert plan_lookup(tokens, salt, 4, 0, 1, stored_in(held)).num_new_tokens == max_servable_blocks(len(tokens), 4) * 4
+
+
+# --- page slots ----------------------------------------------------------------------------------
+
+def test_pages_come_only_from_valid_entries_and_minus_one_removes_a_page():
+    state = new_request(1, list(range(12)), None, 4, 2)
+    state.record_alloc([[5, 6, 7], [BAD_PAGE_INDEX, 3, 4]])
+    assert state.pages == [{0: 5, 1: 6, 2: 7}, {1: 3, 2: 4}]
+    state.apply_pages(0, 0, [BAD_PAGE_INDEX, 6])
+    assert state.pages[0] == {1: 6, 2: 7}
+
+
+def test_more_page_lists_than_groups_is_refused():
+    state = new_request(1, list(range(8)), None, 4, 1)
+    with pytest.raises(ValueError, match="2 layer groups"):
+        state.record_alloc([[0, 1], [2, 3]])
+
+
+# --- a simulated engine --------------------------------------------------------------------------
+
+@dataclass
+class _Sim:
+    """Reports one request's steps like TensorRT-LLM; allocates distinct slots per group."""
+
+    prompt: list[int]
+    tpb: int
+    chunk: int
+    windows: list[Optional[int]]
+    gen: int = 3
+    loaded: int = 0  # tokens served from the store (block aligned)
+    tokens: list[int] = field(default_factory=list)
+    pages: list[list[int]] = field(default_factory=list)
+    reported_pages: list[int] = field(default_factory=list)
+    reported_tokens: int = 0
+    computed: int = 0
+    next_slot: int = 100
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
+        self.pages = [[] for _ in self.windows]
+        self.reported_pages = [0] * len(self.windows)
+        self.computed = self.loaded
+
+    def _alloc_through(self, end: int) -> None:
+        for ids in self.pages:
+            while len(ids) * self.tpb < end:
+                ids.append(self.next_slot)
+                self.next_slot += 1
+
+    def _reclaim(self) -> None:
+        for w, ids in zip(self.windows, self.pages):
+            if w is None:
+                continue
+            for b in range(len(ids)):
+                if (b + 1) * self.tpb <= self.computed - w + 1:
+                    ids[b] = BAD_PAGE_INDEX
+
+    def steps(self):
+        """Yield ``(report, first, end)`` per step; ``end`` = tokens with KV after the step."""
+        first = True
+        while True:
+            self._reclaim()
+            if self.computed < len(self.prompt):
+                n = min(self.chunk, len(self.prompt) - self.computed)
+            elif len(self.tokens) - len(self.prompt) < self.gen:
+                n = 1
+            else:
+                return
+            self._alloc_through(self.computed + n)
+            report = StepReport(
+                request_id=7,
+                new_tokens=self.tokens[self.reported_tokens:],
+                new_block_ids_by_group=[ids[r:] for ids, r in zip(self.pages, self.reported_pages)],
+                computed_position=self.computed,
+                num_scheduled_tokens=n,
+            )
+            self.reported_tokens = len(self.tokens)
+            self.reported_pages = [len(ids) for ids in self.pages]
+            yield report, first, self.computed + n
+            first = False
+            self.computed += n
+            if self.computed >= len(self.prompt):
+                self.tokens.append(len(self.tokens) % 50)
+
+
+def _run(sim: _Sim, held: dict[int, set[bytes]], lookup=None) -> list[tuple[int, RequestPlan, list[list[int]]]]:
+    """Plan every step; saved keys become 'stored' at once. Returns (end, plan, page lists) per step."""
+    state = new_request(7, sim.prompt, None, sim.tpb, len(sim.windows), lookup)
+    out = []
+    for report, first, end in sim.steps():
+        plan = plan_step(state, report, first, sim.windows, stored_in(held))
+        for g, ops in plan.saves.items():
+            held.setdefault(g, set()).update(op.key for op in ops)
+        out.append((end, plan, [list(ids) for ids in sim.pages]))
+    return out
+
+
+sim_st = st.builds(
+    lambda n, tpb, chunk, gen: (n, tpb, chunk, gen),
+    st.integers(1, 50), st.integers(1, 6), st.integers(1, 20), st.integers(1, 6),
+)
+
+
+@SETTINGS
+@given(shape=sim_st, groups=st.integers(1, 3))
+def test_chunked_prefill_deltas_plan_every_full_block_exactly_once(shape, groups):
+    n, tpb, chunk, gen = shape
+    sim = _Sim(list(range(n)), tpb, chunk, [None] * groups, gen)
+    steps = _run(sim, {})
+    keys = chain_keys(sim.tokens, tpb)
+    final_end = steps[-1][0]
+    for g in range(groups):
+        saved = [(op, end) for end, plan, _ in steps for op in plan.saves.get(g, ())]
+        ordinals = [keys.index(op.key) for op, _ in saved]
+        assert sorted(ordinals) == list(range(final_end // tpb)), "every full block, once"
+        for (op, end), o in zip(saved, ordinals):
+            assert op.layer_group_id == g
+            assert op.page_slot == sim.pages[g][o] and op.page_slot >= 0
+            assert op.parent_key == (keys[o - 1] if o else None)
+            assert (o + 1) * tpb <= end, "saved in a step that completed it, not before"
+        # and as soon as it completed: in the first step whose end covers it
+        for (op, end), o in zip(saved, ordinals):
+            earlier = [e for e, _, _ in steps if e < end]
+            assert not earlier or (o + 1) * tpb > max(earlier)
+
+
+@SETTINGS
+@given(shape=sim_st, window=st.integers(1, 24), full_too=st.booleans())
+def test_sliding_window_saves_only_live_blocks_with_live_pages(shape, window, full_too):
+    n, tpb, chunk, gen = shape
+    windows = [window, None] if full_too else [window]
+    sim = _Sim(list(range(n)), tpb, chunk, windows, gen)
+    for end, plan, pages in _run(sim, {}):
+        for op in plan.saves.get(0, ()):
+            o = chain_keys(sim.tokens, tpb).index(op.key)
+            assert o * tpb >= end - window + 1, "whole block inside the window at the end of the step"
+            assert pages[0][o] == op.page_slot != BAD_PAGE_INDEX, "a page the cache still holds"
+
+
+def test_single_pass_prefill_under_a_window_persists_at_most_the_window():
+    sim = _Sim(list(range(39)), 4, 64, [12], gen=1)
+    held: dict[int, set[bytes]] = {}
+    _run(sim, held)
+    keys = chain_keys(sim.prompt, 4)
+    assert sorted(keys.index(k) for k in held[0]) == [7, 8], "the blocks wholly inside the last 12 tokens"
+    # a later identical prompt: block 0 is missing in the sliding group, so nothing is served
+    assert plan_lookup(sim.prompt, None, 4, 0, 1, stored_in(held)).num_new_tokens == 0
+
+
+def test_vswa_lookup_is_bounded_by_the_smallest_window():
+    prompt = list(range(11))
+    held: dict[int, set[bytes]] = {}
+    _run(_Sim(prompt, 4, 64, [12, 20, None], gen=1), held)  # short prompt: fits every window
+    longer = prompt + list(range(50, 78))
+    keys = chain_keys(longer, 4)
+    _run(_Sim(longer, 4, 64, [12, 20, None], gen=1), held)
+    assert all(keys[o] in held[2] for o in range(9)), "the full group holds the whole prompt"
+    lookup = plan_lookup(longer, None, 4, 0, 3, stored_in(held))
+    assert lookup.num_new_tokens == 8 <= 12
+
+
+# --- loads -----------------------------------------------------------------------------------------
+
+def test_loads_go_to_the_promised_blocks_pages_in_every_group_and_are_not_saved_back():
+    prompt = list(range(23))
+    keys = chain_keys(prompt, 4)
+    held = {0: set(keys[:4]), 1: set(keys[:4])}
+    lookup = plan_lookup(prompt, None, 4, 0, 2, stored_in(held))
+    assert lookup.num_new_tokens == 16
+    # pages for the promised prefix and a first chunk of 8; the sliding group (window 9) has no
+    # page for blocks 0-1, which are out of its window
+    pages = [[10, 11, 12, 13, 14, 15], [BAD_PAGE_INDEX, BAD_PAGE_INDEX, 22, 23, 24, 25]]
+    state = new_request(7, prompt, None, 4, 2, lookup)
+    state.record_alloc(pages)
+    # TensorRT-LLM leaves the promised tokens out of a first report's computed_position
+    plan = plan_step(state, StepReport(7, prompt, pages, 0, 7), True, [None, 9], stored_in(held))
+    assert [(op.page_slot, op.key) for op in plan.loads[0]] == [(pages[0][o], keys[o]) for o in range(4)]
+    assert [(op.page_slot, op.key) for op in plan.loads[1]] == [(pages[1][o], keys[o]) for o in range(2, 4)]
+    assert all(op.page_slot >= 0 for ops in plan.loads.values() for op in ops)
+    assert not plan.saves, "promised blocks are not written back; later ones wait for a certain position"
+    # the next report (authoritative position 23) saves the computed blocks 4 and 5
+    plan2 = plan_step(state, StepReport(7, [5], [[], []], 23, 1), False, [None, 9], stored_in(held))
+    keys = chain_keys(prompt + [5], 4)
+    assert [op.key for op in plan2.saves[0]] == keys[4:6]
+    assert [op.key for op in plan2.saves[1]] == keys[4:6]
+
+
+def test_rewind_after_a_discarded_load_replans_the_recomputed_blocks():
+    prompt = list(range(23))
+    keys = chain_keys(prompt, 4)
+    held = {0: set(keys[:2])}
+    lookup = plan_lookup(prompt, None, 4, 0, 1, stored_in(held))
+    state = new_request(7, prompt, None, 4, 1, lookup)
+    pages = list(range(10, 16))
+    plan = plan_step(state, StepReport(7, prompt, [pages], 8, 8), True, [None], stored_in({}))
+    assert len(plan.loads[0]) == 2 and [op.key for op in plan.saves[0]] == keys[2:4]
+    # the load failed; the engine recomputes from 0 on the same pages (no new tokens or pages)
+    plan = plan_step(state, StepReport(7, [], [[]], 0, 8), False, [None], stored_in({}))
+    assert not plan.loads and [op.key for op in plan.saves[0]] == keys[0:2]
+
+
+def test_a_salt_first_seen_in_the_report_salts_every_save():
+    prompt = list(range(12))
+    state = new_request(3, prompt, None, 4, 1)  # the lookup's request object had no cache_salt
+    plan = plan_step(state, StepReport(3, prompt, [[0, 1, 2]], 0, 12, "tenant"), True, [None], stored_in({}))
+    assert [op.key for op in plan.saves[0]] == chain_keys(prompt, 4, "tenant")
+
+
+def test_metadata_is_picklable_and_lists_ops_per_group():
+    state = new_request(3, list(range(8)), "salt", 4, 2)
+    plan = plan_step(state, StepReport(3, list(range(8)), [[4, 5], [6, BAD_PAGE_INDEX]], 0, 8, "salt"), True, [None, None], stored_in({}))
+    meta = ConnectorMetadata((plan,), step=1)
+    back = pickle.loads(pickle.dumps(meta))
+    assert back == meta
+    assert [(rid, op.page_slot) for rid, op in back.saves_of_group(0)] == [(3, 4), (3, 5)]
+    assert [(rid, op.page_slot) for rid, op in back.saves_of_group(1)] == [(3, 6)]
+    assert back.saves_of_group(0)[0][1].key == chain_keys(list(range(8)), 4, "salt")[0]
