@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import click
 
+from gdskv.cli.bench import bench
 from gdskv.cli.demo import demo
+from gdskv.cli.evict import evict
+from gdskv.cli.gc import gc
+from gdskv.cli.info import info
+from gdskv.cli.ls import ls
+from gdskv.cli.prewarm import prewarm
+from gdskv.cli.stats import stats
+from gdskv.cli.verify import verify
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -22,4 +30,9 @@ def main(ctx: click.Context, store_path: str | None, verbose: int) -> None:
     ctx.obj["store_path"] = store_path
 
 
-main.add_command(demo)
+for command in (info, ls, stats, verify, evict, gc, prewarm, bench, demo):
+    main.add_command(command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,14 @@
-"""The store round trip behind ``gdskv demo``: save pages in one process, load them in another.
+"""What ``gdskv demo`` runs, one phase per process (``python -m gdskv.demo PHASE --store PATH``).
 
-Pages are synthetic KV for a few prompts: their bytes are derived from their block keys, so the
-reading process can check every byte it loaded without sharing anything but the store.
-Run as ``python -m gdskv.demo {save,load} --store PATH --json`` (the CLI starts the load phase in a
-fresh process, which is the point: nothing but the store carries over).
+Phases (the CLI runs each in a fresh process, so nothing but the store carries over):
+- ``save`` / ``load``: raw store round trip of synthetic KV pages for a few prompts that share a
+  prefix. Page bytes derive from their block keys, so the loading process checks every byte it
+  read without sharing anything but the store. Reports bytes and GB/s per I/O engine.
+- ``engine``: the CPU reference engine generates from prompts that share a long system prompt,
+  with the TensorRT-LLM connector attached. Run it twice: the first run computes and saves the
+  prompts' KV, the second loads their prefix from the store. Reports tokens served from the
+  store, time-to-first-token and the generated tokens (which must match).
+Each phase prints one JSON object on its last line.
 """
 from __future__ import annotations
 
@@ -12,16 +17,19 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from gdskv.config import load_config
+from gdskv.eviction import install_budget
 from gdskv.io import make_engine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
 from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
 
 TOKENS_PER_BLOCK = 64
+ENGINE_TOKENS_PER_BLOCK = 16
 
 
 @dataclass
@@ -29,7 +37,8 @@ class PhaseReport:
     phase: str
     engine: str
     pages: int
-    hits: int
+    done: int
+    already: int
     misses: int
     mismatches: int
     bytes: int
@@ -40,11 +49,11 @@ class PhaseReport:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def demo_prompts(n_prompts: int, blocks: int) -> list[list[int]]:
+def demo_prompts(n_prompts: int, blocks: int, vocab: int = 32000, tokens_per_block: int = TOKENS_PER_BLOCK) -> list[list[int]]:
     """Prompts sharing a long system prefix (half the blocks), then diverging."""
     g = torch.Generator().manual_seed(1234)
-    shared = torch.randint(0, 32000, (blocks // 2 * TOKENS_PER_BLOCK,), generator=g).tolist()
-    return [shared + torch.randint(0, 32000, ((blocks - blocks // 2) * TOKENS_PER_BLOCK,), generator=g).tolist() for _ in range(n_prompts)]
+    shared = torch.randint(0, vocab, (blocks // 2 * tokens_per_block,), generator=g).tolist()
+    return [shared + torch.randint(0, vocab, ((blocks - blocks // 2) * tokens_per_block,), generator=g).tolist() for _ in range(n_prompts)]
 
 
 def page_for(key: bytes, page_bytes: int) -> torch.Tensor:
@@ -52,36 +61,31 @@ def page_for(key: bytes, page_bytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (page_bytes,), dtype=torch.uint8, generator=g)
 
 
-def _namespace_spec(page_bytes: int) -> NamespaceSpec:
-    return NamespaceSpec("gdskv-demo/synthetic", "float16", TOKENS_PER_BLOCK, (GroupSpec(0, page_bytes, tuple(range(8))),))
-
-
-def run_phase(phase: str, store_path: str, n_prompts: int, blocks: int, page_bytes: int) -> PhaseReport:
+def run_store_phase(phase: str, store_path: str, n_prompts: int, blocks: int, page_bytes: int) -> PhaseReport:
     cfg = load_config(store_path=store_path)
     store = PageStore.open(cfg.store_path)
-    ns = store.namespace(_namespace_spec(page_bytes))
+    install_budget(store, cfg)
+    ns = store.namespace(NamespaceSpec("gdskv-demo/synthetic", "float16", TOKENS_PER_BLOCK, (GroupSpec(0, page_bytes, tuple(range(8))),)))
     engine = make_engine(cfg)
     xfer = PageTransfer(ns, engine, threads=cfg.io_threads)
-    keys: list[bytes] = []
-    parents: list[bytes | None] = []
+    parent_of: dict[bytes, bytes | None] = {}
     for prompt in demo_prompts(n_prompts, blocks):
         chain = chain_keys(prompt, TOKENS_PER_BLOCK)
         for i, k in enumerate(chain):
-            if k not in keys:
-                keys.append(k)
-                parents.append(chain[i - 1] if i else None)
+            parent_of.setdefault(k, chain[i - 1] if i else None)
+    keys = list(parent_of)
     pool = torch.empty((len(keys), page_bytes), dtype=torch.uint8)
-    hits = misses = mismatches = nbytes = 0
+    done = already = misses = mismatches = 0
     if phase == "save":
         for i, k in enumerate(keys):
+            ns.remove(0, k)  # the demo owns this namespace: measure a real write every time
             pool[i] = page_for(k, page_bytes)
         t0 = time.perf_counter()
-        futs = [xfer.save_page(0, k, p, [pool[i]]) for i, (k, p) in enumerate(zip(keys, parents))]
-        statuses = [f.result() for f in futs]
+        statuses = [f.result() for f in [xfer.save_page(0, k, parent_of[k], [pool[i]]) for i, k in enumerate(keys)]]
         seconds = time.perf_counter() - t0
-        hits = sum(s is SaveStatus.PUBLISHED for s in statuses)
-        misses = sum(s is SaveStatus.DROPPED for s in statuses)
-        nbytes = hits * page_bytes
+        done = statuses.count(SaveStatus.PUBLISHED)
+        already = statuses.count(SaveStatus.EXISTS)
+        misses = statuses.count(SaveStatus.DROPPED)
     else:
         present = ns.contains_many(0, keys)
         t0 = time.perf_counter()
@@ -90,26 +94,65 @@ def run_phase(phase: str, store_path: str, n_prompts: int, blocks: int, page_byt
         seconds = time.perf_counter() - t0
         for i, k in enumerate(keys):
             if results.get(i) is LoadStatus.LOADED:
-                hits += 1
-                nbytes += page_bytes
+                done += 1
                 mismatches += int(not torch.equal(pool[i], page_for(k, page_bytes)))
             else:
                 misses += 1
     xfer.close()
-    engine_desc = engine.describe()
+    desc = engine.describe()
     engine.close()
-    return PhaseReport(phase, engine_desc, len(keys), hits, misses, mismatches, nbytes, seconds)
+    return PhaseReport(phase, desc, len(keys), done, already, misses, mismatches, done * page_bytes, seconds)
+
+
+def run_engine_phase(store_path: str, cache_salt: str, n_prompts: int, system_tokens: int, question_tokens: int, max_new_tokens: int) -> dict[str, Any]:
+    """Generate with the reference engine + TensorRT-LLM connector on ``store_path``."""
+    import os
+
+    from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
+    from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine
+
+    os.environ["GDSKV_STORE"] = store_path
+    model = ModelConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16, intermediate_size=256, seed=7)
+    engine_cfg = EngineConfig(tokens_per_block=ENGINE_TOKENS_PER_BLOCK, num_slots=256, chunk_size=256)
+    name = model.fingerprint()
+    scheduler = GdsKvScheduler(StandaloneLlmArgs.build(name, ENGINE_TOKENS_PER_BLOCK))
+    worker = GdsKvWorker(StandaloneLlmArgs.build(name, ENGINE_TOKENS_PER_BLOCK))
+    engine = ReferenceEngine(model, engine_cfg, scheduler, [worker])
+    g = torch.Generator().manual_seed(99)
+    system = torch.randint(0, model.vocab_size, (system_tokens,), generator=g).tolist()
+    prompts = [system + torch.randint(0, model.vocab_size, (question_tokens,), generator=g).tolist() for _ in range(n_prompts)]
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, max_new_tokens, cache_salts=[cache_salt] * n_prompts)
+    wall = time.perf_counter() - t0
+    worker.close()
+    return {
+        "phase": "engine",
+        "model": name,
+        "prompt_tokens": [len(p) for p in prompts],
+        "served_tokens": [r.prefill_tokens_loaded for r in results],
+        "ttft_s": [r.ttft_s for r in results],
+        "outputs": [r.tokens for r in results],
+        "wall_s": wall,
+        "worker": vars(worker.counters),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gdskv.demo")
-    ap.add_argument("phase", choices=["save", "load"])
+    ap.add_argument("phase", choices=["save", "load", "engine"])
     ap.add_argument("--store", required=True)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--page-bytes", type=int, default=1 << 20)
+    ap.add_argument("--salt", default="gdskv-demo")
+    ap.add_argument("--system-tokens", type=int, default=480)
+    ap.add_argument("--question-tokens", type=int, default=40)
+    ap.add_argument("--new-tokens", type=int, default=16)
     args = ap.parse_args(argv)
-    rep = run_phase(args.phase, args.store, args.prompts, args.blocks, args.page_bytes)
+    if args.phase == "engine":
+        print(json.dumps(run_engine_phase(args.store, args.salt, 2, args.system_tokens, args.question_tokens, args.new_tokens)))
+        return 0
+    rep = run_store_phase(args.phase, args.store, args.prompts, args.blocks, args.page_bytes)
     print(json.dumps(asdict(rep) | {"gbps": rep.gbps}))
     return 0 if rep.mismatches == 0 else 1
 

@@ -93,7 +93,7 @@ class PageTransfer:
             ns.counters.add("saves_exists")
             return SaveStatus.EXISTS
         budget = ns.store.budget
-        if budget is not None and not budget.admit(ns, group, nbytes + fmt.TRAILER_BYTES):
+        if budget is not None and not budget.admit(ns, group, nbytes + fmt.TRAILER_BYTES, parent):
             ns.counters.add("saves_dropped")
             ns.counters.add("saves_dropped_budget")
             return SaveStatus.DROPPED

@@ -544,3 +544,24 @@ def test_per_layer_group_pair_alone_is_a_complete_scheduler():
     assert s.seen == [[1], [2]]
     with pytest.raises(NotImplementedError, match="update_state_after_alloc"):
         s.update_state_after_alloc(None, [1])
+
+
+def test_the_store_byte_budget_holds_under_the_connector(store, tmp_path, monkeypatch):
+    """max_bytes from gdskv's config bounds what a serving run leaves in the store."""
+    from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine
+    from gdskv.store import PageStore
+
+    model = ModelConfig(num_layers=2)
+    page_bytes = 2 * 2 * TPB * model.num_kv_heads * model.head_dim * 4
+    budget = 6 * (page_bytes + 128)
+    cfg = tmp_path / "gdskv.toml"
+    cfg.write_text(f"max_bytes = {budget}\n")
+    monkeypatch.setenv("GDSKV_CONFIG", str(cfg))
+    worker = GdsKvWorker(StandaloneLlmArgs.build(model.fingerprint(), TPB))
+    engine = ReferenceEngine(model, EngineConfig(tokens_per_block=TPB), GdsKvScheduler(StandaloneLlmArgs.build(model.fingerprint(), TPB)), [worker])
+    g = torch.Generator().manual_seed(3)
+    engine.generate([torch.randint(0, model.vocab_size, (4 * TPB + 1,), generator=g).tolist() for _ in range(4)], 1)
+    worker.close()
+    used = sum(e.stat().st_size for _, _, e in PageStore.open(store).iter_chunk_files())
+    assert 0 < used <= budget
+    assert worker.counters.saves_published > 6  # more was saved than fits: eviction made room

@@ -1,0 +1,117 @@
+"""Helpers shared by the ``gdskv`` commands: opening the store, parsing sizes and durations, output.
+
+Exit codes (every command): 0 ok, 1 problems found, 2 usage (bad option, or a path that is not a
+gdskv store). ``UsageProblem`` carries the 2.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+
+from gdskv import format as fmt
+from gdskv.config import ConfigError, GdsKvConfig, load_config, parse_size
+from gdskv.store import Namespace, PageStore, StoreError, is_store
+
+
+class UsageProblem(click.ClickException):
+    """A usage error reported without the usage text (exit code 2)."""
+
+    exit_code = 2
+
+
+def config_of(ctx: click.Context) -> GdsKvConfig:
+    """The config with the global ``--store`` applied (``GDSKV_CONFIG`` / ``GDSKV_STORE`` otherwise)."""
+    try:
+        return load_config(store_path=(ctx.obj or {}).get("store_path"))
+    except ConfigError as e:
+        raise UsageProblem(str(e)) from None
+
+
+def open_existing(ctx: click.Context) -> tuple[GdsKvConfig, PageStore]:
+    """The config and the store, which must already exist: every command but ``prewarm`` refuses
+    to create one, and refuses a directory that is not a gdskv store."""
+    cfg = config_of(ctx)
+    root = Path(cfg.store_path)
+    if not is_store(root):
+        why = "does not exist" if not root.exists() else "has no zarr.json with a 'gdskv' attribute"
+        raise UsageProblem(f"{root} is not a gdskv store ({why}); refusing to touch it. Pass --store PATH or set GDSKV_STORE.")
+    try:
+        return cfg, PageStore.open(root, create=False)
+    except StoreError as e:
+        raise UsageProblem(str(e)) from None
+
+
+def select_namespaces(store: PageStore, wanted: Optional[str]) -> list[Namespace]:
+    """All namespaces, or those whose id starts with ``wanted`` or whose model is ``wanted``."""
+    every = store.namespaces()
+    if wanted is None:
+        return every
+    chosen = [ns for ns in every if ns.id.startswith(wanted) or ns.spec.model == wanted]
+    if not chosen:
+        raise UsageProblem(f"no namespace matches {wanted!r} (have: {', '.join(ns.id for ns in every) or 'none'})")
+    return chosen
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``"7d"`` → seconds (units s, m, h, d, w; a bare number is seconds)."""
+    m = _DURATION.match(text)
+    if not m:
+        raise click.BadParameter(f"not a duration: {text!r} (expected e.g. 90s, 30m, 12h, 7d, 2w)")
+    return float(m.group(1)) * _SECONDS[m.group(2).lower()]
+
+
+def parse_size_or_percent(text: str, fs_total: int) -> int:
+    """``"500G"`` → bytes; ``"10%"`` → that share of the file system's size."""
+    text = text.strip()
+    if text.endswith("%"):
+        try:
+            pct = float(text[:-1])
+        except ValueError:
+            raise click.BadParameter(f"not a percentage: {text!r}") from None
+        if not 0 <= pct <= 100:
+            raise click.BadParameter(f"a percentage must be in [0, 100]: {text!r}")
+        return int(fs_total * pct / 100)
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_age(mtime_ns: int, now_ns: Optional[int] = None) -> str:
+    """``"3m ago"``-style age of a wall-clock time in ns."""
+    secs = max(0.0, ((now_ns or time.time_ns()) - mtime_ns) / 1e9)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{secs / size:.1f}{unit} ago"
+    return f"{secs:.0f}s ago"
+
+
+def read_trailer(path: str) -> Optional[fmt.Trailer]:
+    """The chunk's trailer, or None when it is missing or does not parse."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(-fmt.TRAILER_BYTES, 2)
+            return fmt.unpack(f.read(fmt.TRAILER_BYTES))
+    except (OSError, fmt.ChunkFormatError):
+        return None
+
+
+def print_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True))

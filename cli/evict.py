@@ -1,0 +1,77 @@
+"""``gdskv evict``: bring a store under a byte budget, or drop what has not been used for a while.
+
+Uses the same policy as the inline budget (``gdskv.eviction``): chunks go in increasing effective
+recency (their own last use and every stored descendant's), deeper first, so a block never goes
+while a descendant of it stays. Safe while servers use the store: a load that opened a chunk
+before it was unlinked reads it whole; one that comes after finds it missing (a miss).
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any, Optional
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from gdskv.cli._common import UsageProblem, human_bytes, open_existing, parse_duration, parse_size_or_percent, print_json, select_namespaces
+from gdskv.eviction import Limits, disk_usage, remove_chunks, scan_store, select_victims, shortfall
+
+
+@click.command()
+@click.option("--max-bytes", "max_bytes", default=None, help="Budget: a size (500G) or a share of the file system (10%).")
+@click.option("--older-than", "older_than", default=None, help="Remove chunks not used (nor any descendant) for this long (7d, 12h).")
+@click.option("--namespace", "namespace", default=None, help="Only this namespace (id, id prefix, or model); the budget then applies to it alone.")
+@click.option("--dry-run", is_flag=True, help="Show what would be removed; remove nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@click.pass_context
+def evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[str], namespace: Optional[str], dry_run: bool, as_json: bool) -> None:
+    """Remove least recently used chunks, deepest first. Without --max-bytes / --older-than, the
+    config's max_bytes and free-space floor apply."""
+    cfg, store = open_existing(ctx)
+    fs_total, fs_free = disk_usage(str(store.root))
+    limit = parse_size_or_percent(max_bytes, fs_total) if max_bytes is not None else None
+    cutoff = time.time_ns() - int(parse_duration(older_than) * 1e9) if older_than is not None else None
+    limits = Limits(max_bytes=limit)
+    if limit is None and cutoff is None:
+        limits = Limits(cfg.max_bytes, cfg.min_free_bytes, cfg.min_free_percent)
+        if not limits.active:
+            raise UsageProblem("nothing to evict against: give --max-bytes and/or --older-than, or set max_bytes / min_free_* in the config")
+    table = scan_store(store, select_namespaces(store, namespace))
+    before = table.total_bytes
+    need = shortfall(limits, before, fs_total, fs_free) if limits.active else 0
+    by_size = select_victims(table, need)
+    by_age = select_victims(table, None, older_than_ns=cutoff) if cutoff is not None else by_size[:0]
+    rows = by_size if by_size.size >= by_age.size else by_age  # both are prefixes of one ranking
+    victim_bytes = int(table.nbytes[rows].sum())
+    per_ns = Counter(table.arrays[int(table.array[r])].ns_id for r in rows.tolist())
+    rep: dict[str, Any] = {"dry_run": dry_run, "chunks_before": len(table), "bytes_before": before, "max_bytes": limit,
+                           "older_than_s": parse_duration(older_than) if older_than else None,
+                           "victims": int(rows.size), "victim_bytes": victim_bytes, "per_namespace": dict(per_ns)}
+    freed = victim_bytes
+    if not dry_run:
+        done = remove_chunks(store, table, rows)
+        store.flush_stats()
+        freed = done.freed_bytes
+        rep |= {"removed": done.removed, "removed_bytes": done.removed_bytes, "already_gone": done.already_gone, "failed": done.failed}
+    rep["bytes_after"] = before - freed
+    rep["within_budget"] = limit is None or rep["bytes_after"] <= limit
+    if as_json:
+        print_json(rep)
+    else:
+        console = Console()
+        if dry_run and rows.size:
+            t = Table(title=f"would remove (first {min(20, rows.size)} of {rows.size}, in order)")
+            for col in ("namespace", "group", "path", "size"):
+                t.add_column(col)
+            for r in rows[:20].tolist():
+                ref = table.arrays[int(table.array[r])]
+                t.add_row(ref.ns_id, str(ref.group), table.path(r), human_bytes(int(table.nbytes[r])))
+            console.print(t)
+        verb = "would remove" if dry_run else "removed"
+        console.print(f"{verb} {rows.size} of {len(table)} chunks ({human_bytes(victim_bytes)} of {human_bytes(before)}); "
+                      f"{human_bytes(rep['bytes_after'])} {'would remain' if dry_run else 'remain'}"
+                      + (f"; budget {human_bytes(limit)}" if limit is not None else ""))
+    if not rep["within_budget"] or rep.get("failed"):
+        ctx.exit(1)

@@ -1,0 +1,85 @@
+"""``gdskv info``: what a store holds and what this machine would use to move it."""
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from gdskv.cli._common import human_bytes, open_existing, print_json
+from gdskv.eviction import Limits, disk_usage, scan_store
+from gdskv.io import make_engine
+from gdskv.io.capabilities import cuda_driver_present, kvikio_available
+
+
+def gather(ctx: click.Context) -> dict[str, Any]:
+    """The report ``info`` prints (also its ``--json``)."""
+    cfg, store = open_existing(ctx)
+    engine = make_engine(cfg)
+    try:
+        engine_info = {"configured": cfg.engine, "selected": engine.name, "describe": engine.describe(), "gds_active": engine.gds_active}
+    finally:
+        engine.close()
+    engine_info |= {"kvikio_installed": kvikio_available(), "cuda_driver": cuda_driver_present()}
+    table = scan_store(store, with_parents=False)
+    per_array: dict[tuple[str, int], tuple[int, int]] = {}
+    for i, ref in enumerate(table.arrays):
+        sel = table.array == i
+        per_array[(ref.ns_id, ref.group)] = (int(sel.sum()), int(table.nbytes[sel].sum()))
+    namespaces = []
+    for ns in store.namespaces():
+        s = ns.spec
+        groups = []
+        for g in s.groups:
+            chunks, nbytes = per_array.get((ns.id, g.layer_group_id), (0, 0))
+            groups.append({"group": g.layer_group_id, "window": g.window_size, "page_bytes": g.bytes_per_page,
+                           "layers": list(g.layer_ids), "chunks": chunks, "bytes": nbytes})
+        namespaces.append({"id": ns.id, "model": s.model, "dtype": s.dtype, "tokens_per_block": s.tokens_per_block,
+                           "tp_rank": s.tp_rank, "tp_size": s.tp_size, "groups": groups})
+    total, free = disk_usage(str(store.root))
+    limits = Limits(cfg.max_bytes, cfg.min_free_bytes, cfg.min_free_percent)
+    return {
+        "store": str(store.root),
+        "format_version": store.attributes().get("format_version"),
+        "engine": engine_info,
+        "namespaces": namespaces,
+        "chunks": len(table),
+        "bytes": table.total_bytes,
+        "budget": {"max_bytes": cfg.max_bytes, "min_free_bytes": cfg.min_free_bytes, "min_free_percent": cfg.min_free_percent,
+                   "floor_bytes": limits.floor_bytes(total) if limits.active else None},
+        "filesystem": {"total_bytes": total, "free_bytes": free},
+    }
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def info(ctx: click.Context, as_json: bool) -> None:
+    """Store path, format, I/O engine, namespaces with chunk counts and bytes, budget and free space."""
+    rep = gather(ctx)
+    if as_json:
+        print_json(rep)
+        return
+    console = Console()
+    e = rep["engine"]
+    console.print(f"[bold]store[/]   {rep['store']}  (format v{rep['format_version']})")
+    console.print(f"[bold]engine[/]  {e['describe']}  (config: {e['configured']}; kvikio {'installed' if e['kvikio_installed'] else 'not installed'}; "
+                  f"CUDA driver {'present' if e['cuda_driver'] else 'absent'})")
+    b, fs = rep["budget"], rep["filesystem"]
+    limits = []
+    if b["max_bytes"] is not None:
+        limits.append(f"max {human_bytes(b['max_bytes'])}")
+    if b["floor_bytes"] is not None and (b["min_free_bytes"] is not None or b["min_free_percent"] is not None):
+        limits.append(f"keep {human_bytes(b['floor_bytes'])} free")
+    console.print(f"[bold]size[/]    {rep['chunks']} chunks, {human_bytes(rep['bytes'])}; budget: {', '.join(limits) or 'none'}; "
+                  f"file system {human_bytes(fs['free_bytes'])} free of {human_bytes(fs['total_bytes'])}")
+    t = Table(title="namespaces")
+    for col in ("namespace", "model", "dtype", "tokens/block", "TP", "group", "window", "page bytes", "layers", "chunks", "bytes"):
+        t.add_column(col, justify="right" if col in ("tokens/block", "page bytes", "layers", "chunks", "bytes") else "left")
+    for ns in rep["namespaces"]:
+        for i, g in enumerate(ns["groups"]):
+            head = [ns["id"], ns["model"], ns["dtype"], str(ns["tokens_per_block"]), f"{ns['tp_rank']}/{ns['tp_size']}"] if i == 0 else [""] * 5
+            t.add_row(*head, str(g["group"]), "full" if g["window"] is None else str(g["window"]), str(g["page_bytes"]),
+                      str(len(g["layers"])), str(g["chunks"]), human_bytes(g["bytes"]))
+    console.print(t)

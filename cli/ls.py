@@ -1,0 +1,58 @@
+"""``gdskv ls``: the chunks of a store, most recently used first."""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from gdskv.cli._common import human_age, human_bytes, open_existing, parse_duration, print_json, read_trailer, select_namespaces
+from gdskv.eviction import scan_store
+
+
+@click.command(name="ls")
+@click.option("--namespace", "namespace", default=None, help="Namespace id (or a prefix of it) or model name.")
+@click.option("--group", type=int, default=None, help="Layer group id.")
+@click.option("--older-than", "older_than", default=None, help="Only chunks last used longer ago than this (e.g. 7d, 12h).")
+@click.option("--limit", type=int, default=50, show_default=True, help="Most rows to print (0: all).")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@click.pass_context
+def ls(ctx: click.Context, namespace: Optional[str], group: Optional[int], older_than: Optional[str], limit: int, as_json: bool) -> None:
+    """Chunks with namespace, group, key prefix, size and last use, sorted by recency."""
+    _, store = open_existing(ctx)
+    table = scan_store(store, select_namespaces(store, namespace), with_parents=False)
+    keep = np.ones(len(table), dtype=bool)
+    if group is not None:
+        group_of = np.array([a.group for a in table.arrays], dtype=np.int64)
+        keep &= group_of[table.array] == group
+    now = time.time_ns()
+    if older_than is not None:
+        keep &= table.mtime_ns < now - int(parse_duration(older_than) * 1e9)
+    rows = np.nonzero(keep)[0]
+    rows = rows[np.argsort(-table.mtime_ns[rows], kind="stable")]
+    total = int(rows.size)
+    if limit > 0:
+        rows = rows[:limit]
+    out: list[dict[str, Any]] = []
+    for r in rows.tolist():
+        ref = table.arrays[int(table.array[r])]
+        path = table.path(r)
+        t = read_trailer(path)
+        out.append({
+            "namespace": ref.ns_id, "group": ref.group, "path": path,
+            "key": t.block_key.hex() if t else None, "parent": t.parent_key.hex() if t and t.parent_key else None,
+            "bytes": int(table.nbytes[r]), "mtime_ns": int(table.mtime_ns[r]),
+        })
+    if as_json:
+        print_json({"total": total, "chunks": out})
+        return
+    t = Table(title=f"{len(out)} of {total} chunks, most recent first")
+    for col in ("namespace", "group", "key", "parent", "size", "last use"):
+        t.add_column(col, justify="right" if col in ("group", "size") else "left")
+    for row in out:
+        t.add_row(row["namespace"], str(row["group"]), (row["key"] or "(bad trailer)")[:16], (row["parent"] or "-")[:16],
+                  human_bytes(row["bytes"]), human_age(row["mtime_ns"], now))
+    Console().print(t)

@@ -1,0 +1,406 @@
+"""``gdskv prewarm PROMPTS...``: compute the KV of known prompts once, so servers start warm.
+
+Prompt sources: ``.txt`` (one prompt per blank-line-separated paragraph), ``.jsonl`` (one object
+per line with ``prompt``, or ``messages`` rendered with the tokenizer's chat template), or a
+directory (every ``.txt`` / ``.jsonl`` directly in it, in name order). Each prompt is tokenized and
+prefilled (one output token) through an engine with gdskv's connector attached, so its full blocks
+land in the store:
+
+- ``reference`` (default, runs anywhere): the CPU reference engine (``gdskv.engine``) driving the
+  TensorRT-LLM connector (``gdskv.connectors.trtllm``). Its model is
+  ``reference_model_config(vocab)``: deterministic weights, so every process that builds it shares
+  the namespace. Without ``--tokenizer`` the text is tokenized by ``ByteTokenizer`` (UTF-8 bytes).
+- ``trtllm``: TensorRT-LLM's ``LLM`` with the connector config, ``generate(..., max_tokens=1)``.
+- ``max``: Modular MAX's offline ``LLM`` with gdskv's KVConnector installed.
+
+Prompts that cannot run (empty, longer than ``--max-prompt-tokens``, unreadable lines, an engine
+error) are reported and skipped; the others go on. Exit 1 when any prompt failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Protocol, Sequence
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from gdskv.cli._common import UsageProblem, config_of, human_bytes, print_json
+from gdskv.config import GdsKvConfig
+
+REFERENCE_TOKENS_PER_BLOCK = 16
+
+
+# --- prompts -------------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    """One prompt as read from a file: text or chat messages, or why it could not be read."""
+
+    source: str  # "file.txt#3" (paragraph) or "file.jsonl:7" (line)
+    text: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    error: Optional[str] = None
+
+
+def _read_txt(path: Path) -> list[Prompt]:
+    paragraphs = re.split(r"\n[ \t]*\n", path.read_text(encoding="utf-8"))
+    return [Prompt(f"{path}#{i + 1}", text=p.strip()) for i, p in enumerate(p for p in paragraphs if p.strip())]
+
+
+def _read_jsonl(path: Path) -> list[Prompt]:
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        src = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            out.append(Prompt(src, error=f"not JSON: {e}"))
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            out.append(Prompt(src, text=obj["prompt"]))
+        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and all(isinstance(m, dict) and "content" in m for m in obj["messages"]):
+            out.append(Prompt(src, messages=obj["messages"]))
+        else:
+            out.append(Prompt(src, error="needs a string 'prompt' or a list of 'messages' with 'role' and 'content'"))
+    return out
+
+
+def read_prompts(paths: Sequence[str]) -> list[Prompt]:
+    """Every prompt of the given files and directories, in order; a usage error for other paths."""
+    out: list[Prompt] = []
+    for raw in paths:
+        p = Path(raw)
+        files = sorted(f for f in p.iterdir() if f.suffix in (".txt", ".jsonl") and f.is_file()) if p.is_dir() else [p]
+        if p.is_dir() and not files:
+            raise UsageProblem(f"{p} has no .txt or .jsonl files")
+        for f in files:
+            if not f.is_file():
+                raise UsageProblem(f"{f} does not exist")
+            if f.suffix == ".txt":
+                out += _read_txt(f)
+            elif f.suffix == ".jsonl":
+                out += _read_jsonl(f)
+            else:
+                raise UsageProblem(f"{f}: prompt files are .txt (paragraphs) or .jsonl (prompt / messages per line)")
+    return out
+
+
+# --- tokenizers ----------------------------------------------------------------------------------
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+
+class ByteTokenizer:
+    """Deterministic tokenizer for the reference engine without a Hugging Face tokenizer: one
+    token per UTF-8 byte (ids 0..255). Chat messages are rendered as ``<|role|>\\ncontent\\n`` for
+    each message, then ``<|assistant|>\\n``, and encoded the same way."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = "".join(f"<|{m.get('role', 'user')}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+        return self.encode(text)
+
+
+class HfTokenizer:
+    """A Hugging Face tokenizer (``transformers.AutoTokenizer``) with its chat template."""
+
+    def __init__(self, name: str) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise UsageProblem("--tokenizer needs the transformers package (pip install transformers)") from None
+        self.tok = AutoTokenizer.from_pretrained(name)
+        self.vocab_size = len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text))
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return list(self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+
+    def render_chat_text(self, messages: list[dict[str, Any]]) -> str:
+        return str(self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+# --- the reference engine ------------------------------------------------------------------------
+def reference_model_config(vocab_size: int = ByteTokenizer.vocab_size) -> Any:
+    """The reference model prewarm runs (and any process that wants its KV back must run)."""
+    from gdskv.engine.config import ModelConfig
+
+    return ModelConfig(vocab_size=vocab_size)
+
+
+@dataclass
+class ReferenceStack:
+    """The reference engine with the TensorRT-LLM connector's two halves attached."""
+
+    engine: Any
+    scheduler: Any
+    worker: Any
+    tokens_per_block: int
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def reference_stack(cfg: GdsKvConfig, vocab_size: int, max_prompt_tokens: int, max_new_tokens: int = 1) -> ReferenceStack:
+    """Build the reference engine + connector on ``cfg.store_path`` (the connector reads the store
+    from gdskv's config, so ``GDSKV_STORE`` is set for this process). Also used by tests to
+    generate from prewarmed prompts in a fresh process."""
+    from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
+    from gdskv.engine import EngineConfig, ReferenceEngine
+    from gdskv.eviction import install_budget
+
+    os.environ["GDSKV_STORE"] = cfg.store_path
+    tpb = REFERENCE_TOKENS_PER_BLOCK
+    model = reference_model_config(vocab_size)
+    engine_cfg = EngineConfig(tokens_per_block=tpb, num_slots=-(-(max_prompt_tokens + max_new_tokens) // tpb) + 1, chunk_size=256, max_batch=1)
+    args = StandaloneLlmArgs.build(model.fingerprint(), tpb)
+    scheduler, worker = GdsKvScheduler(args), GdsKvWorker(args)
+    engine = ReferenceEngine(model, engine_cfg, scheduler, [worker])
+    if worker.namespace is not None:
+        install_budget(worker.namespace.store, cfg)
+    return ReferenceStack(engine, scheduler, worker, tpb)
+
+
+# --- the run -------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    source: str
+    tokens: int = 0
+    blocks_written: Optional[int] = None
+    blocks_present: Optional[int] = None
+    bytes_written: Optional[int] = None
+    seconds: float = 0.0
+    error: Optional[str] = None
+
+
+@dataclass
+class Summary:
+    engine: str
+    prompts: int = 0
+    done: int = 0
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    blocks_written: int = 0
+    blocks_present: Optional[int] = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+
+
+def _tokenize(tok: Tokenizer, p: Prompt) -> list[int]:
+    if p.error:
+        raise ValueError(p.error)
+    ids = tok.render_chat(p.messages) if p.messages is not None else tok.encode(p.text or "")
+    if not ids or (p.messages is None and not (p.text or "").strip()):
+        raise ValueError("empty prompt")
+    return ids
+
+
+class _Runner(Protocol):
+    def run(self, prompt: Prompt) -> Outcome: ...
+
+    def close(self) -> None: ...
+
+
+class _ReferenceRunner:
+    def __init__(self, cfg: GdsKvConfig, tok: Tokenizer, max_tokens: int, salt: Optional[str]) -> None:
+        self.tok, self.max_tokens, self.salt = tok, max_tokens, salt
+        self.stack = reference_stack(cfg, tok.vocab_size, max_tokens)
+
+    def run(self, prompt: Prompt) -> Outcome:
+        out = Outcome(prompt.source)
+        ids = _tokenize(self.tok, prompt)
+        out.tokens = len(ids)
+        if len(ids) > self.max_tokens:
+            raise ValueError(f"too long: {len(ids)} tokens > --max-prompt-tokens {self.max_tokens}")
+        w = self.stack.worker
+        ns = w.namespace
+        published, existing = w.counters.saves_published, w.counters.saves_existing
+        nbytes = ns.counters["bytes_written"] if ns is not None else 0
+        [res] = self.stack.engine.generate([ids], max_new_tokens=1, cache_salts=[self.salt])
+        out.blocks_written = w.counters.saves_published - published
+        out.blocks_present = res.prefill_tokens_loaded // self.stack.tokens_per_block + w.counters.saves_existing - existing
+        out.bytes_written = (ns.counters["bytes_written"] if ns is not None else 0) - nbytes
+        return out
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+class _StoreDelta:
+    """Blocks and bytes an external engine added, measured on the store (its counters live in
+    the engine's processes)."""
+
+    def __init__(self, cfg: GdsKvConfig) -> None:
+        from gdskv.store import PageStore
+
+        self.store = PageStore.open(cfg.store_path)
+
+    def measure(self) -> tuple[int, int]:
+        from gdskv.eviction import scan_store
+
+        t = scan_store(self.store, with_parents=False)
+        return len(t), t.total_bytes
+
+
+class _TrtllmRunner:
+    """TensorRT-LLM's LLM API with gdskv's connector (needs ``tensorrt_llm``)."""
+
+    def __init__(self, cfg: GdsKvConfig, model: str, tokenizer: Optional[str], max_tokens: int) -> None:
+        try:
+            from tensorrt_llm import LLM, SamplingParams
+            from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig
+        except ImportError:
+            raise UsageProblem("--engine trtllm needs TensorRT-LLM (tensorrt_llm does not import in this Python)") from None
+        os.environ["GDSKV_STORE"] = cfg.store_path
+        self.params = SamplingParams(max_tokens=1)
+        self.llm = LLM(model=model, tokenizer=tokenizer, kv_cache_config=KvCacheConfig(enable_block_reuse=True),
+                       kv_connector_config=KvCacheConnectorConfig(connector_module="gdskv.connectors.trtllm",
+                                                                  connector_scheduler_class="GdsKvScheduler",
+                                                                  connector_worker_class="GdsKvWorker"))
+        self.tok = self.llm.tokenizer
+        self.max_tokens = max_tokens
+        self.delta = _StoreDelta(cfg)
+
+    def run(self, prompt: Prompt) -> Outcome:
+        if prompt.error:
+            raise ValueError(prompt.error)
+        ids = (self.tok.apply_chat_template(prompt.messages, tokenize=True, add_generation_prompt=True)
+               if prompt.messages is not None else self.tok.encode(prompt.text or ""))
+        if not ids or (prompt.messages is None and not (prompt.text or "").strip()):
+            raise ValueError("empty prompt")
+        if len(ids) > self.max_tokens:
+            raise ValueError(f"too long: {len(ids)} tokens > --max-prompt-tokens {self.max_tokens}")
+        n0, b0 = self.delta.measure()
+        self.llm.generate([list(ids)], self.params)
+        n1, b1 = self.delta.measure()
+        return Outcome(prompt.source, tokens=len(ids), blocks_written=n1 - n0, bytes_written=b1 - b0)
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class _MaxRunner:
+    """Modular MAX's offline ``LLM`` with gdskv's KVConnector installed (needs ``max``)."""
+
+    def __init__(self, cfg: GdsKvConfig, model: str, max_tokens: int) -> None:
+        try:
+            from max._entrypoints.llm import LLM
+            from max.pipelines.lib import PipelineArgs
+        except ImportError:
+            raise UsageProblem("--engine max needs Modular MAX (max does not import in this Python)") from None
+        from gdskv.connectors.max import ENV_MODEL, install
+
+        os.environ["GDSKV_STORE"] = cfg.store_path
+        os.environ.setdefault(ENV_MODEL, model)
+        install()
+        self.llm = LLM(PipelineArgs.from_flat_kwargs(model_path=model, kv_connector_config={"type": "rust_tiered"}))
+        self.hf: Optional[HfTokenizer] = None
+        self.model, self.max_tokens = model, max_tokens
+        self.delta = _StoreDelta(cfg)
+
+    def run(self, prompt: Prompt) -> Outcome:
+        if prompt.error:
+            raise ValueError(prompt.error)
+        if prompt.messages is not None:
+            self.hf = self.hf or HfTokenizer(self.model)
+            text = self.hf.render_chat_text(prompt.messages)
+        else:
+            text = prompt.text or ""
+        if not text.strip():
+            raise ValueError("empty prompt")
+        n0, b0 = self.delta.measure()
+        self.llm.generate([text], max_new_tokens=1, use_tqdm=False)
+        n1, b1 = self.delta.measure()
+        return Outcome(prompt.source, blocks_written=n1 - n0, bytes_written=b1 - b0)
+
+    def close(self) -> None:
+        del self.llm
+
+
+def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Optional[str], max_tokens: int, salt: Optional[str]) -> _Runner:
+    if engine == "reference":
+        if model not in (None, "reference"):
+            raise UsageProblem("--engine reference runs its own model: leave --model out (or pass 'reference')")
+        return _ReferenceRunner(cfg, HfTokenizer(tokenizer) if tokenizer else ByteTokenizer(), max_tokens, salt)
+    if salt is not None:
+        raise UsageProblem(f"--cache-salt is only supported with --engine reference (pass the salt through {engine}'s own request API)")
+    if not model:
+        raise UsageProblem(f"--engine {engine} needs --model")
+    if engine == "trtllm":
+        return _TrtllmRunner(cfg, model, tokenizer, max_tokens)
+    return _MaxRunner(cfg, model, max_tokens)
+
+
+@click.command()
+@click.argument("prompts", nargs=-1, required=True, type=click.Path())
+@click.option("--engine", type=click.Choice(["reference", "trtllm", "max"]), default="reference", show_default=True)
+@click.option("--model", default=None, help="Model for trtllm / max (a Hugging Face id or a local path).")
+@click.option("--tokenizer", default=None, help="Tokenizer (Hugging Face id or path); default: the model's, or bytes for the reference engine.")
+@click.option("--cache-salt", "cache_salt", default=None, help="Cache salt mixed into every block key (reference engine).")
+@click.option("--max-prompt-tokens", "max_tokens", type=click.IntRange(1), default=4096, show_default=True, help="Longer prompts are skipped.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.pass_context
+def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Optional[str], tokenizer: Optional[str],
+            cache_salt: Optional[str], max_tokens: int, as_json: bool) -> None:
+    """Prefill prompts from files through an engine with the connector, so their KV is stored."""
+    cfg = config_of(ctx)
+    items = read_prompts(prompts)
+    runner = _runner(engine, cfg, model, tokenizer, max_tokens, cache_salt)
+    summary = Summary(engine, prompts=len(items), blocks_present=0 if engine == "reference" else None)
+    console = Console(stderr=True)
+    t_all = time.perf_counter()
+    try:
+        with Progress(TextColumn("prewarm"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                      disable=as_json or not console.is_terminal) as progress:
+            task = progress.add_task("prompts", total=len(items))
+            for p in items:
+                t0 = time.perf_counter()
+                try:
+                    out = runner.run(p)
+                except Exception as e:  # one prompt's failure (empty, too long, engine error) skips it
+                    summary.failed.append({"source": p.source, "error": str(e) or type(e).__name__})
+                    progress.advance(task)
+                    continue
+                out.seconds = time.perf_counter() - t0
+                summary.done += 1
+                summary.blocks_written += out.blocks_written or 0
+                summary.bytes_written += out.bytes_written or 0
+                if summary.blocks_present is not None and out.blocks_present is not None:
+                    summary.blocks_present += out.blocks_present
+                progress.advance(task)
+    finally:
+        runner.close()
+    summary.seconds = time.perf_counter() - t_all
+    if as_json:
+        print_json(asdict(summary))
+    else:
+        out_console = Console()
+        if summary.failed:
+            t = Table(title="skipped prompts")
+            t.add_column("prompt")
+            t.add_column("why")
+            for f in summary.failed:
+                t.add_row(f["source"], f["error"])
+            out_console.print(t)
+        present = "" if summary.blocks_present is None else f", {summary.blocks_present} blocks already present"
+        out_console.print(f"{summary.done} of {summary.prompts} prompts done: {summary.blocks_written} blocks written{present}, "
+                          f"{human_bytes(summary.bytes_written)} in {summary.seconds:.1f} s ({engine} engine)")
+    if summary.failed:
+        ctx.exit(1)

@@ -1,0 +1,678 @@
+"""Capacity-bounded, prefix-aware, recency-based eviction (docs/eviction.md is the prose version).
+
+Three layers, each usable on its own:
+
+- **Policy** — pure functions over plain data (``ChunkTable`` columns, or a list of ``ChunkInfo``):
+  ``eviction_order`` ranks chunks, ``select_victims`` / ``pick_victims`` cut the ranking at a byte
+  count or an age, ``shortfall`` says how many bytes a save must free first. A chunk's
+  *effective recency* is the newest mtime among it and every stored descendant (chunks whose
+  parent-key chain leads to it, same namespace and layer group); chunks go in increasing effective
+  recency, deeper first on ties. Every prefix of that order removes a block only together with all
+  of its stored descendants, so a stored block is never left without its stored ancestors. Pinned
+  chunks (and, through them, their ancestors) never go.
+- **Index** — ``scan_store`` lists the chunk files (scandir + stat: size and mtime) and attaches
+  each chunk's parent. Parents come from the chunk trailers, cached per array under
+  ``<root>/.gdskv/index/`` (``<ns_id>.g<gid>.npy``: chunk index, inode, parent chunk index), so a
+  trailer is read once per chunk file, not once per scan.
+- **Budget** — ``Budget`` implements the hook ``PageTransfer`` calls on ``store.budget``
+  (``admit`` / ``on_published`` / ``pin`` / ``unpin``); ``install_budget(store, cfg)`` sets it at
+  bring-up when the config has a byte budget or a free-space floor.
+
+Recency is the chunk file's mtime: loads (``PageTransfer``) and lookups (``Namespace.touch_many``)
+refresh it, so it survives restarts and is shared by every process on the store. Callers: the
+connectors and the demo (``install_budget`` at bring-up), ``PageTransfer`` (the hook), and
+``gdskv evict`` / ``gdskv info`` / ``gdskv ls`` (``scan_store``, ``select_victims``,
+``remove_chunks``).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable, Collection, Iterable, Optional, Sequence
+
+import numpy as np
+
+from gdskv import format as fmt
+from gdskv.config import GdsKvConfig
+from gdskv.keys import store_key
+from gdskv.store import Namespace, PageStore
+
+log = logging.getLogger(__name__)
+
+NO_PARENT = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+"""Parent chunk index of a chunk without a parent (a chunk index has only 62 bits)."""
+INDEX_DIR = "index"
+_CACHE_DTYPE = np.dtype([("index", "<u8"), ("ino", "<u8"), ("parent", "<u8")])
+_PINNED = np.iinfo(np.int64).max
+INFLIGHT_TTL_S = 60.0
+"""How long ``Budget`` counts an admitted save that has not published (it may have failed)."""
+
+
+# --- plain data --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArrayRef:
+    """One layer group's array of one namespace, and its directory."""
+
+    ns_id: str
+    group: int
+    path: str
+
+    def chunk_file(self, index: int) -> str:
+        """Path of the chunk file with chunk index ``index`` (``(hi << 50) | lo``)."""
+        return f"{self.path}/c/{index >> fmt.LO_BITS}/0/{index & ((1 << fmt.LO_BITS) - 1)}"
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One stored chunk, as the row-oriented policy API (``pick_victims``) takes it.
+
+    ``index`` is the chunk's index in its array (``(hi << 50) | lo``, unique per array);
+    ``parent`` the index of its parent block's chunk in the same array (``None`` for a root).
+    """
+
+    ns_id: str
+    group: int
+    index: int
+    parent: Optional[int]
+    nbytes: int
+    mtime_ns: int
+    path: str = ""
+
+
+@dataclass
+class ChunkTable:
+    """Stored chunks in columns (one row per chunk file), built by ``scan_store``.
+
+    ``parent`` holds the *row* of the parent chunk in this table, ``-1`` when the chunk has no
+    parent or its parent is not stored (then it is a root of the forest the policy sees).
+    """
+
+    arrays: list[ArrayRef]
+    array: np.ndarray  # int32: row → arrays[...]
+    index: np.ndarray  # uint64: chunk index in its array
+    parent: np.ndarray  # int64: row of the parent chunk, -1 none
+    nbytes: np.ndarray  # int64: file size
+    mtime_ns: np.ndarray  # int64: last use
+
+    def __len__(self) -> int:
+        return int(self.index.size)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+    def path(self, row: int) -> str:
+        return self.arrays[int(self.array[row])].chunk_file(int(self.index[row]))
+
+    def rows_of(self, paths: Iterable[str]) -> np.ndarray:
+        """Rows of the chunk files named by ``paths`` (unknown paths are ignored)."""
+        where = {a.path: i for i, a in enumerate(self.arrays)}
+        wanted: dict[int, list[int]] = {}
+        for p in paths:
+            parsed = _parse_chunk_path(p)
+            if parsed is not None and parsed[0] in where:
+                wanted.setdefault(where[parsed[0]], []).append(parsed[1])
+        mask = np.zeros(len(self), dtype=bool)
+        for a, indexes in wanted.items():
+            mask |= (self.array == a) & np.isin(self.index, np.array(indexes, dtype=np.uint64))
+        return np.nonzero(mask)[0]
+
+    @classmethod
+    def from_chunks(cls, chunks: Sequence[ChunkInfo]) -> "ChunkTable":
+        """Columns from rows (parents resolved within the same namespace and layer group)."""
+        arrays: dict[tuple[str, int], int] = {}
+        array = np.array([arrays.setdefault((c.ns_id, c.group), len(arrays)) for c in chunks], dtype=np.int32)
+        row_of = {(int(array[i]), c.index): i for i, c in enumerate(chunks)}
+        parent = np.array([-1 if c.parent is None else row_of.get((int(array[i]), c.parent), -1) for i, c in enumerate(chunks)], dtype=np.int64)
+        refs = [ArrayRef(ns, g, "") for (ns, g) in arrays]
+        return cls(refs, array, np.array([c.index for c in chunks], dtype=np.uint64), parent,
+                   np.array([c.nbytes for c in chunks], dtype=np.int64), np.array([c.mtime_ns for c in chunks], dtype=np.int64))
+
+
+# --- policy (pure) -----------------------------------------------------------------------------
+def _break_cycles(parent: np.ndarray) -> np.ndarray:
+    """``parent`` with every link in a cycle (or leading into one) cut.
+
+    Trailers of honest chunks never form cycles (a parent's key is hashed from its own parent's);
+    a corrupt or colliding chunk could, and the ranking must still terminate. Pointer jumping
+    reaches a root within 64 doublings on any forest; links still live after that are cyclic.
+    """
+    parent = np.where(parent == np.arange(parent.size), -1, parent)
+    nxt = parent.copy()
+    for _ in range(64):
+        live = np.nonzero(nxt >= 0)[0]
+        if live.size == 0:
+            return parent
+        nxt[live] = nxt[nxt[live]]
+    return np.where(nxt >= 0, -1, parent)
+
+
+def depths(parent: np.ndarray) -> np.ndarray:
+    """Number of stored ancestors of each row (0 for a root) of an acyclic ``parent`` array,
+    by pointer jumping: O(n log depth)."""
+    depth = (parent >= 0).astype(np.int64)
+    nxt = parent.copy()
+    while True:
+        live = np.nonzero(nxt >= 0)[0]
+        if live.size == 0:
+            return depth
+        up = nxt[live]
+        depth[live] += depth[up]
+        nxt[live] = nxt[up]
+
+
+def effective_recency(parent: np.ndarray, mtime_ns: np.ndarray, pinned: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(eff, depth)``: each row's newest mtime over itself and its stored descendants, and its
+    depth. Pinned rows (a boolean mask) count as used at +infinity, which carries to their
+    ancestors: those are never ranked evictable."""
+    parent = _break_cycles(np.asarray(parent, dtype=np.int64))
+    depth = depths(parent)
+    eff = np.asarray(mtime_ns, dtype=np.int64).copy()
+    if pinned is not None and pinned.any():
+        eff[pinned] = _PINNED
+    if depth.size:
+        by_depth = np.argsort(-depth, kind="stable")
+        bounds = np.searchsorted(-depth[by_depth], np.arange(-int(depth.max()), 0), side="left")
+        bounds = np.append(bounds, np.searchsorted(-depth[by_depth], 0, side="left"))
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            rows = by_depth[lo:hi]
+            np.maximum.at(eff, parent[rows], eff[rows])
+    return eff, depth
+
+
+def eviction_order(parent: np.ndarray, mtime_ns: np.ndarray, pinned: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, eff)``: rows in the order they may be evicted — increasing effective recency,
+    deeper first on ties — and every row's effective recency.
+
+    Pinned rows and their ancestors are left out of ``order``. Any prefix of ``order`` is safe to
+    remove: a row's stored descendants all come before it.
+    """
+    eff, depth = effective_recency(parent, mtime_ns, pinned)
+    order = np.lexsort((-depth, eff))
+    return order[eff[order] != _PINNED], eff
+
+
+def select_victims(table: ChunkTable, bytes_to_free: Optional[int], pinned_rows: Collection[int] = (), older_than_ns: Optional[int] = None) -> np.ndarray:
+    """Rows to remove, in removal order (descendants first).
+
+    ``bytes_to_free``: stop once at least this many bytes are chosen (``None``: no byte target,
+    take everything eligible). ``older_than_ns``: only chunks whose effective recency (their own
+    and every stored descendant's last use) is older than this wall-clock time in ns.
+    Called by ``Budget`` (inline, before a save) and by ``gdskv evict``.
+    """
+    pinned = np.zeros(len(table), dtype=bool)
+    if len(pinned_rows):
+        pinned[np.asarray(list(pinned_rows), dtype=np.int64)] = True
+    order, eff = eviction_order(table.parent, table.mtime_ns, pinned)
+    if older_than_ns is not None:
+        order = order[eff[order] < older_than_ns]
+    if bytes_to_free is not None:
+        if bytes_to_free <= 0:
+            return order[:0]
+        cum = np.cumsum(table.nbytes[order])
+        order = order[: int(np.searchsorted(cum, bytes_to_free, side="left")) + 1]
+    return order
+
+
+def pick_victims(chunks: Sequence[ChunkInfo], bytes_to_free: Optional[int], pinned: Collection[str] = (), older_than_ns: Optional[int] = None) -> list[ChunkInfo]:
+    """Row-oriented ``select_victims``: the chunks to remove, in removal order.
+
+    ``pinned`` holds the ``path`` of chunks being read or written.
+    """
+    table = ChunkTable.from_chunks(chunks)
+    pins = set(pinned)
+    rows = [i for i, c in enumerate(chunks) if c.path and c.path in pins]
+    return [chunks[int(i)] for i in select_victims(table, bytes_to_free, rows, older_than_ns)]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A store's capacity limits: a byte budget and a free-space floor (either may be absent)."""
+
+    max_bytes: Optional[int] = None
+    min_free_bytes: Optional[int] = None
+    min_free_percent: Optional[float] = None
+
+    @property
+    def active(self) -> bool:
+        return any(v is not None for v in (self.max_bytes, self.min_free_bytes, self.min_free_percent))
+
+    def floor_bytes(self, fs_total: int) -> int:
+        """Bytes that must stay free on the file system."""
+        pct = 0 if self.min_free_percent is None else int(fs_total * self.min_free_percent / 100)
+        return max(self.min_free_bytes or 0, pct)
+
+
+def shortfall(limits: Limits, used: int, fs_total: int, fs_free: int, incoming: int = 0) -> int:
+    """Bytes that must be freed before ``incoming`` more bytes can be stored within ``limits``
+    (0 when they fit). ``used``: bytes of the store's chunks; ``fs_*``: the file system's size and
+    free space."""
+    need = 0
+    if limits.max_bytes is not None:
+        need = used + incoming - limits.max_bytes
+    if limits.min_free_bytes is not None or limits.min_free_percent is not None:
+        need = max(need, limits.floor_bytes(fs_total) - (fs_free - incoming))
+    return max(need, 0)
+
+
+# --- index -------------------------------------------------------------------------------------
+def _parse_chunk_path(path: str) -> Optional[tuple[str, int]]:
+    """``(array dir, chunk index)`` of a chunk file path, or None for anything else."""
+    parts = str(path).rsplit("/", 4)
+    if len(parts) != 5 or parts[1] != "c" or parts[3] != "0" or not parts[2].isdigit() or not parts[4].isdigit():
+        return None
+    return parts[0], (int(parts[2]) << fmt.LO_BITS) | int(parts[4])
+
+
+def chunk_index_of(ns_id: str, group: int, key: bytes) -> int:
+    """The chunk index (``(hi << 50) | lo``) of block ``key`` in a namespace's layer group."""
+    hi, lo = fmt.chunk_index(store_key(ns_id, group, key))
+    return (hi << fmt.LO_BITS) | lo
+
+
+def _walk_array(cdir: str) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(index, inode, size, mtime_ns) of every published chunk file under an array's ``c/``."""
+    idx: list[int] = []
+    ino: list[int] = []
+    size: list[int] = []
+    mtime: list[int] = []
+    try:
+        his = list(os.scandir(cdir))
+    except FileNotFoundError:
+        return idx, ino, size, mtime
+    for hi in his:
+        if not hi.name.isdigit():
+            continue
+        base = int(hi.name) << fmt.LO_BITS
+        try:
+            entries = os.scandir(f"{hi.path}/0")
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with entries:
+            for e in entries:
+                name = e.name
+                if not name.isdigit():  # temp files (``<lo>.tmp.<pid>.<rand>``)
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                idx.append(base | int(name))
+                ino.append(e.inode())
+                size.append(st.st_size)
+                mtime.append(st.st_mtime_ns)
+    return idx, ino, size, mtime
+
+
+def _read_parent(ref: ArrayRef, index: int) -> int:
+    """Parent chunk index from the chunk's trailer (``NO_PARENT`` for a root or a bad trailer)."""
+    try:
+        with open(ref.chunk_file(index), "rb") as f:
+            f.seek(-fmt.TRAILER_BYTES, os.SEEK_END)
+            t = fmt.unpack(f.read(fmt.TRAILER_BYTES))
+    except (OSError, fmt.ChunkFormatError):
+        return int(NO_PARENT)
+    if t.parent_key is None or t.layer_group != ref.group:
+        return int(NO_PARENT)
+    try:
+        return chunk_index_of(ref.ns_id, ref.group, t.parent_key)
+    except ValueError:
+        return int(NO_PARENT)
+
+
+def _cache_path(store: PageStore, ref: ArrayRef) -> str:
+    return str(store.private / INDEX_DIR / f"{ref.ns_id}.g{ref.group}.npy")
+
+
+def _load_cache(path: str) -> np.ndarray:
+    try:
+        arr = np.load(path, allow_pickle=False)
+        if arr.dtype == _CACHE_DTYPE:
+            return arr
+    except (OSError, ValueError, EOFError):
+        pass
+    return np.zeros(0, dtype=_CACHE_DTYPE)
+
+
+def _save_cache(path: str, arr: np.ndarray) -> None:
+    """Write atomically (temp name that ``gdskv gc`` knows, then rename); failures only log."""
+    tmp = f"{path}{fmt.TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        buf = io.BytesIO()
+        np.save(buf, arr, allow_pickle=False)
+        with open(tmp, "wb") as f:
+            f.write(buf.getbuffer())
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("gdskv: could not write eviction index %s: %s", path, e)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def _array_parents(store: PageStore, ref: ArrayRef, idx: np.ndarray, ino: np.ndarray, known: dict[int, int]) -> np.ndarray:
+    """Parent chunk index of each scanned chunk: from the cache when the inode matches, else from
+    ``known`` (published by this process) or the trailer; the cache is rewritten when it changed."""
+    path = _cache_path(store, ref)
+    cache = _load_cache(path)
+    parent = np.full(idx.size, NO_PARENT, dtype=np.uint64)
+    hit = np.zeros(idx.size, dtype=bool)
+    if cache.size and idx.size:
+        pos = np.minimum(np.searchsorted(cache["index"], idx), cache.size - 1)
+        hit = (cache["index"][pos] == idx) & (cache["ino"][pos] == ino)
+        parent[hit] = cache["parent"][pos[hit]]
+    miss = np.nonzero(~hit)[0]
+    for i in miss.tolist():
+        k = int(idx[i])
+        parent[i] = known[k] if k in known else _read_parent(ref, k)
+    if miss.size or int(hit.sum()) != cache.size:
+        fresh = np.empty(idx.size, dtype=_CACHE_DTYPE)
+        fresh["index"], fresh["ino"], fresh["parent"] = idx, ino, parent
+        fresh.sort(order="index")
+        _save_cache(path, fresh)
+    return parent
+
+
+def scan_store(
+    store: PageStore,
+    namespaces: Optional[Sequence[Namespace]] = None,
+    with_parents: bool = True,
+    known_parents: Optional[dict[tuple[str, int], dict[int, int]]] = None,
+) -> ChunkTable:
+    """Every published chunk of ``namespaces`` (default: all on disk) as a ``ChunkTable``.
+
+    One scandir per directory and one stat per chunk file. With ``with_parents`` the parent links
+    are attached from the index cache (a trailer is read only for chunk files the cache has not
+    seen); without, every ``parent`` is -1 (enough for sizes and listings).
+    ``known_parents[(ns_id, group)][chunk index]`` supplies parents this process already knows.
+    Called by ``Budget`` and by ``gdskv evict`` / ``info`` / ``ls``.
+    """
+    arrays: list[ArrayRef] = []
+    cols: list[tuple[np.ndarray, ...]] = []
+    for ns in namespaces if namespaces is not None else store.namespaces():
+        for g in ns.spec.groups:
+            ref = ArrayRef(ns.id, g.layer_group_id, str(ns.array_path(g.layer_group_id)))
+            idx_l, ino_l, size_l, mtime_l = _walk_array(f"{ref.path}/c")
+            idx = np.array(idx_l, dtype=np.uint64)
+            ino = np.array(ino_l, dtype=np.uint64)
+            if with_parents:
+                parent_idx = _array_parents(store, ref, idx, ino, (known_parents or {}).get((ns.id, g.layer_group_id), {}))
+            else:
+                parent_idx = np.full(idx.size, NO_PARENT, dtype=np.uint64)
+            arrays.append(ref)
+            cols.append((idx, parent_idx, np.array(size_l, dtype=np.int64), np.array(mtime_l, dtype=np.int64)))
+    if not cols:
+        empty_i = np.zeros(0, dtype=np.int64)
+        return ChunkTable(arrays, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint64), empty_i, empty_i, empty_i)
+    parent_rows = []
+    offset = 0
+    for idx, parent_idx, _, _ in cols:
+        rows = np.full(idx.size, -1, dtype=np.int64)
+        if idx.size:
+            order = np.argsort(idx)
+            pos = np.minimum(np.searchsorted(idx, parent_idx, sorter=order), idx.size - 1)
+            found = (idx[order[pos]] == parent_idx) & (parent_idx != NO_PARENT)
+            rows[found] = offset + order[pos[found]]
+        parent_rows.append(rows)
+        offset += idx.size
+    return ChunkTable(
+        arrays,
+        np.concatenate([np.full(c[0].size, i, dtype=np.int32) for i, c in enumerate(cols)]),
+        np.concatenate([c[0] for c in cols]),
+        np.concatenate(parent_rows),
+        np.concatenate([c[2] for c in cols]),
+        np.concatenate([c[3] for c in cols]),
+    )
+
+
+# --- removal -----------------------------------------------------------------------------------
+@dataclass
+class Removal:
+    """What ``remove_chunks`` did. ``freed_bytes`` includes chunks another process removed first."""
+
+    removed: int = 0
+    removed_bytes: int = 0
+    skipped_pinned: int = 0
+    already_gone: int = 0
+    freed_bytes: int = 0
+    failed: int = 0
+
+
+def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
+                  is_pinned: Callable[[str], bool] = lambda path: False, lock: Optional[threading.Lock] = None) -> Removal:
+    """Unlink the chunk files of ``rows`` in the order given (descendants first, as ranked).
+
+    A row whose file became pinned after it was chosen is kept, and so are its ancestors (they
+    come later in ``rows``). ``is_pinned`` is checked and the file unlinked under ``lock`` (the
+    lock ``Budget.pin`` takes), so a load either keeps its chunk or finds it gone (a miss).
+    Counts ``evicted`` / ``evicted_bytes`` on the chunk's namespace. Called by ``Budget`` and
+    ``gdskv evict``.
+    """
+    out = Removal()
+    keep: set[int] = set()
+    specs = {ns.id: ns.spec for ns in store.namespaces()}
+    namespaces: dict[str, Namespace] = {}
+    for row in (int(r) for r in rows):
+        ref = table.arrays[int(table.array[row])]
+        path = ref.chunk_file(int(table.index[row]))
+        nbytes = int(table.nbytes[row])
+        if row in keep:
+            out.skipped_pinned += 1
+            continue
+        with lock if lock is not None else contextlib.nullcontext():
+            pinned = is_pinned(path)
+            if not pinned:
+                try:
+                    os.unlink(path)
+                    status = "removed"
+                except FileNotFoundError:
+                    status = "gone"
+                except OSError as e:
+                    log.warning("gdskv: could not evict %s: %s", path, e)
+                    status = "failed"
+        if pinned:
+            out.skipped_pinned += 1
+            up = int(table.parent[row])
+            while up >= 0 and up not in keep:
+                keep.add(up)
+                up = int(table.parent[up])
+        elif status == "failed":
+            out.failed += 1
+        elif status == "gone":
+            out.already_gone += 1
+            out.freed_bytes += nbytes
+        else:
+            out.removed += 1
+            out.removed_bytes += nbytes
+            out.freed_bytes += nbytes
+            if ref.ns_id in specs:
+                if ref.ns_id not in namespaces:
+                    namespaces[ref.ns_id] = store.namespace(specs[ref.ns_id])
+                namespaces[ref.ns_id].counters.add("evicted")
+                namespaces[ref.ns_id].counters.add("evicted_bytes", nbytes)
+    return out
+
+
+# --- the store hook ----------------------------------------------------------------------------
+DiskUsage = Callable[[str], tuple[int, int]]
+
+
+def disk_usage(path: str) -> tuple[int, int]:
+    """``(size, free bytes)`` of the file system holding ``path`` (free: what a non-root user
+    can still write)."""
+    u = shutil.disk_usage(path)
+    return u.total, u.free
+
+
+class Budget:
+    """The capacity hook ``PageTransfer`` calls through ``store.budget``.
+
+    ``admit`` before every save (after the chunk was found absent), ``on_published`` after the
+    rename, ``pin``/``unpin`` around every load. The store's chunk bytes are estimated between
+    scans (scan result + bytes admitted since); a scan happens when the estimate says a save does
+    not fit, and at least every ``rescan_seconds`` so that other processes' writes are seen. An
+    eviction frees what the save needs plus ``headroom`` (a fraction of the budget, or of the
+    floor when only a floor is set), so one scan serves many saves. A save that does not fit
+    while another thread evicts waits at most ``max_wait_seconds`` for it, then is dropped.
+    ``disk_usage`` and ``clock`` are injectable for tests.
+    """
+
+    def __init__(self, store: PageStore, limits: Limits, headroom: float = 0.05, rescan_seconds: float = 300.0,
+                 max_wait_seconds: float = 2.0, disk_usage: DiskUsage = disk_usage, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.limits = limits
+        self.headroom = headroom
+        self.rescan_seconds = rescan_seconds
+        self.max_wait_seconds = max_wait_seconds
+        self.disk_usage = disk_usage
+        self.clock = clock
+        self._used: Optional[int] = None  # chunk bytes on disk: last scan + published since
+        self._inflight: deque[tuple[float, int]] = deque()  # (admitted at, bytes) not yet published
+        self._inflight_bytes = 0
+        self._scanning = False
+        self._published_while_scanning = 0
+        self._scanned_at = float("-inf")
+        self._state = threading.Lock()  # guards the fields below; held for microseconds
+        self._evicting = threading.Lock()  # one scan / eviction at a time
+        self._pins: Counter[str] = Counter()
+        self._known: dict[tuple[str, int], dict[int, int]] = {}
+
+    @property
+    def used_bytes(self) -> Optional[int]:
+        """The current estimate of the store's chunk bytes, saves in flight included (None before
+        the first scan)."""
+        return None if self._used is None else self._used + self._inflight_bytes
+
+    # hook -------------------------------------------------------------------------------------
+    def admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes] = None) -> bool:
+        """May a chunk of ``nbytes`` be written now? Evicts first when it would cross a limit;
+        False (the caller drops and counts the save) when not enough can be evicted, e.g.
+        because everything left is pinned. The chunk's ``parent`` block (and so its ancestors)
+        is not evicted to make room for it, and nothing is evicted for a chunk whose parent is
+        not stored: either would leave the new chunk unservable.
+        Called by ``PageTransfer._save`` on a transfer thread, never on the serving loop."""
+        stale = self._used is None or self.clock() - self._scanned_at > self.rescan_seconds
+        if stale and self._evicting.acquire(blocking=self._used is None):
+            try:
+                self.refresh()
+            finally:
+                self._evicting.release()
+        if self._try_reserve(nbytes):
+            return True
+        if not self._evicting.acquire(timeout=self.max_wait_seconds):
+            return False  # another thread is still making room: a late save is worth less than a free thread
+        try:
+            if self._try_reserve(nbytes):  # another thread evicted meanwhile
+                return True
+            if parent is not None and not ns.contains(group, parent):
+                return False  # the chunk would be unservable: not worth evicting anything for
+            table = self.refresh()
+            need = self._need(nbytes)
+            if need > 0:
+                base = self.limits.max_bytes or self.limits.floor_bytes(self.disk_usage(str(self.store.root))[0])
+                with self._state:
+                    protect = list(self._pins) + ([ns.chunk_path(group, parent)] if parent is not None else [])
+                pinned = table.rows_of(protect)
+                rows = select_victims(table, need + int(self.headroom * base), pinned)
+                done = remove_chunks(self.store, table, rows, lambda p: self._pins[p] > 0, self._state)
+                with self._state:
+                    self._used = max(0, (self._used or 0) - done.freed_bytes)
+                if done.removed:
+                    log.info("gdskv: evicted %d chunks (%d bytes) to stay within %s", done.removed, done.removed_bytes, self.limits)
+            return self._try_reserve(nbytes)
+        finally:
+            self._evicting.release()
+
+    def on_published(self, ns: Namespace, group: int, key: bytes, parent: Optional[bytes], nbytes: int) -> None:
+        """A chunk was renamed into place: remember its parent so the next scan does not read its
+        trailer (its bytes were counted by ``admit``). Called by ``PageTransfer._save``."""
+        p = int(NO_PARENT) if parent is None else chunk_index_of(ns.id, group, parent)
+        with self._state:
+            self._known.setdefault((ns.id, group), {})[chunk_index_of(ns.id, group, key)] = p
+            for i, (_, n) in enumerate(self._inflight):
+                if n == nbytes:
+                    del self._inflight[i]
+                    self._inflight_bytes -= n
+                    break
+            self._used = (self._used or 0) + nbytes
+            if self._scanning:
+                self._published_while_scanning += nbytes
+
+    def pin(self, path: str) -> None:
+        """A load of ``path`` starts: the chunk is not evicted until ``unpin``. Called by
+        ``PageTransfer._load``."""
+        with self._state:
+            self._pins[path] += 1
+
+    def unpin(self, path: str) -> None:
+        """The load of ``path`` finished (whatever its outcome)."""
+        with self._state:
+            self._pins[path] -= 1
+            if self._pins[path] <= 0:
+                del self._pins[path]
+
+    # internals --------------------------------------------------------------------------------
+    def refresh(self) -> ChunkTable:
+        """Rescan the store: the byte count, and the table the policy ranks."""
+        with self._state:
+            known = {k: dict(v) for k, v in self._known.items()}
+            self._scanning, self._published_while_scanning = True, 0
+        try:
+            table = scan_store(self.store, known_parents=known)
+        finally:
+            with self._state:
+                self._scanning = False
+        with self._state:
+            # a chunk published during the walk may or may not have been seen: count it (safe side)
+            self._used = table.total_bytes + self._published_while_scanning
+            self._scanned_at = self.clock()
+            for k, v in known.items():  # now in the index cache
+                for idx in v:
+                    self._known.get(k, {}).pop(idx, None)
+        return table
+
+    def _need(self, nbytes: int) -> int:
+        has_floor = self.limits.min_free_bytes is not None or self.limits.min_free_percent is not None
+        total, free = self.disk_usage(str(self.store.root)) if has_floor else (0, 0)
+        # saves in flight count as written, against the budget and against free space
+        return shortfall(self.limits, (self._used or 0) + self._inflight_bytes, total, free - self._inflight_bytes, nbytes)
+
+    def _try_reserve(self, nbytes: int) -> bool:
+        """Count ``nbytes`` as in flight if they fit. A reservation ends at ``on_published``, or
+        after ``INFLIGHT_TTL_S`` (a save that failed after ``admit`` never publishes)."""
+        with self._state:
+            now = self.clock()
+            while self._inflight and now - self._inflight[0][0] > INFLIGHT_TTL_S:
+                self._inflight_bytes -= self._inflight.popleft()[1]
+            if self._need(nbytes) > 0:
+                return False
+            self._inflight.append((now, nbytes))
+            self._inflight_bytes += nbytes
+            return True
+
+
+def install_budget(store: PageStore, cfg: GdsKvConfig) -> Optional[Budget]:
+    """Set ``store.budget`` from the config's ``max_bytes`` / ``min_free_bytes`` /
+    ``min_free_percent`` when any is set (scanning the store once), and return it; else None.
+
+    Called once at bring-up by the connectors and the demo, right after ``PageStore.open``.
+    """
+    limits = Limits(cfg.max_bytes, cfg.min_free_bytes, cfg.min_free_percent)
+    if not limits.active:
+        return None
+    if isinstance(store.budget, Budget) and store.budget.limits == limits:
+        return store.budget
+    budget = Budget(store, limits)
+    budget.refresh()
+    store.budget = budget
+    return budget
