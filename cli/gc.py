@@ -13,95 +13,11 @@ Nothing else is touched: no published chunk, no metadata, no quarantine.
 """
 from __future__ import annotations
 
-import os
-import time
-from dataclasses import dataclass, field
-from typing import Iterator, Optional
-
 import click
 from rich.console import Console
 
-from gdskv import format as fmt
 from gdskv.cli._common import human_bytes, open_existing, parse_duration, print_json
-from gdskv.store import PageStore
-
-
-def writer_pid(name: str) -> Optional[int]:
-    """The pid a temp file name carries (``...tmp.<pid>`` or ``...tmp.<pid>.<rand>``), if any."""
-    tail = name.rsplit(fmt.TMP_MARK, 1)[-1]
-    head = tail.split(".", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def temp_file_is_stale(name: str, age_s: float, min_age_s: float, grace_s: float) -> bool:
-    """The removal rule for one temp file (pure apart from the pid probe)."""
-    if age_s >= grace_s:
-        return True
-    pid = writer_pid(name)
-    return age_s >= min_age_s and pid is not None and pid != os.getpid() and not pid_alive(pid)
-
-
-@dataclass
-class Garbage:
-    temp_files: list[tuple[str, int]] = field(default_factory=list)  # (path, bytes)
-    empty_dirs: list[str] = field(default_factory=list)
-
-
-def _temp_candidates(store: PageStore) -> Iterator[os.DirEntry]:
-    """Every temp-named file in the arrays' chunk directories and under ``.gdskv/``."""
-    dirs: list[str] = []
-    for ns in store.namespaces():
-        for g in ns.spec.groups:
-            cdir = ns.array_path(g.layer_group_id) / "c"
-            if cdir.is_dir():
-                dirs += [f"{hi.path}/0" for hi in os.scandir(cdir) if hi.is_dir(follow_symlinks=False)]
-    if store.private.is_dir():
-        dirs += [str(p) for p in store.private.rglob("*") if p.is_dir() and not p.is_symlink()] + [str(store.private)]
-    for d in dirs:
-        try:
-            entries = list(os.scandir(d))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for e in entries:
-            if fmt.is_temp_name(e.name) and e.is_file(follow_symlinks=False):
-                yield e
-
-
-def find_garbage(store: PageStore, min_age_s: float, grace_s: float, now: Optional[float] = None) -> Garbage:
-    """What ``gc`` would remove now."""
-    now = time.time() if now is None else now
-    out = Garbage()
-    for e in _temp_candidates(store):
-        try:
-            st = e.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if temp_file_is_stale(e.name, now - st.st_mtime, min_age_s, grace_s):
-            out.temp_files.append((e.path, st.st_size))
-    for ns in store.namespaces():
-        for g in ns.spec.groups:
-            cdir = ns.array_path(g.layer_group_id) / "c"
-            for hi in os.scandir(cdir) if cdir.is_dir() else ():
-                sub = f"{hi.path}/0"
-                try:
-                    if not os.listdir(sub) and now - os.stat(sub).st_mtime >= min_age_s:
-                        out.empty_dirs.append(sub)
-                    left = [n for n in os.listdir(hi.path) if not (n == "0" and out.empty_dirs[-1:] == [sub])]
-                    if not left and now - os.stat(hi.path).st_mtime >= min_age_s:
-                        out.empty_dirs.append(hi.path)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-    return out
+from gdskv.garbage import Collected, collect, find_garbage
 
 
 @click.command()
@@ -114,21 +30,8 @@ def gc(ctx: click.Context, grace: str, min_age: str, dry_run: bool, as_json: boo
     """Remove temp files left by crashed writers and empty chunk directories."""
     _, store = open_existing(ctx)
     garbage = find_garbage(store, parse_duration(min_age), parse_duration(grace))
-    removed_files = removed_dirs = freed = 0
-    if not dry_run:
-        for path, size in garbage.temp_files:
-            try:
-                os.unlink(path)
-                removed_files += 1
-                freed += size
-            except FileNotFoundError:  # its writer finished (renamed it) or someone else collected it
-                pass
-        for d in garbage.empty_dirs:  # ``<hi>/0`` comes before ``<hi>``
-            try:
-                os.rmdir(d)
-                removed_dirs += 1
-            except OSError:  # a writer put a file there meanwhile: keep it
-                pass
+    done = Collected() if dry_run else collect(garbage)
+    removed_files, removed_dirs, freed = done.removed_temp_files, done.removed_dirs, done.freed_bytes
     rep = {"dry_run": dry_run, "temp_files": [p for p, _ in garbage.temp_files], "empty_dirs": garbage.empty_dirs,
            "removed_temp_files": removed_files, "removed_dirs": removed_dirs, "freed_bytes": freed}
     if as_json:

@@ -105,9 +105,7 @@ class PageTransfer:
             off += s.numel()
         segs.append(Segment(off, trailer))
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self.engine.write(tmp, segs).result()
-            os.replace(tmp, path)
+            self._write_and_publish(tmp, path, segs)
         except OSError as e:
             _unlink_quietly(tmp)
             ns.counters.add("saves_dropped")
@@ -122,6 +120,19 @@ class PageTransfer:
         if budget is not None:
             budget.on_published(ns, group, key, parent, nbytes + fmt.TRAILER_BYTES)
         return SaveStatus.PUBLISHED
+
+    def _write_and_publish(self, tmp: str, path: str, segs: list[Segment]) -> None:
+        """Write the temp file and rename it into place. ``gdskv gc`` may remove an empty chunk
+        directory between our ``makedirs`` and the write; then the directory is made once more."""
+        for attempt in (0, 1):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                self.engine.write(tmp, segs).result()
+                os.replace(tmp, path)
+                return
+            except FileNotFoundError:
+                if attempt:
+                    raise
 
     # --- loads --------------------------------------------------------------------------------
     def load_page(self, group: int, key: bytes, segments: Sequence[torch.Tensor]) -> "Future[LoadStatus]":

@@ -14,8 +14,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gdskv.cli.gc import temp_file_is_stale, writer_pid
 from gdskv.cli.main import main
+from gdskv.garbage import temp_file_is_stale, writer_pid
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, Namespace, NamespaceSpec, PageStore
@@ -397,3 +397,21 @@ def test_e2e_prewarm_then_a_new_process_loads_the_prefix(tmp_path: Path) -> None
     rep = json.loads(out.stdout.strip().splitlines()[-1])
     assert rep["hits"] > 0 and rep["loaded"] >= (len(PARAGRAPHS[1]) // 16 - 1) * 16
     assert rep["tokens"] == rep["cold_tokens"] and rep["logits_equal"]
+
+
+def test_bring_up_cleans_a_dead_writers_temp_file_in_the_background(tmp_path):
+    """Promise 5: crash leftovers are cleaned at open, not only by ``gdskv gc``."""
+    from gdskv.garbage import collect_in_background
+
+    store = PageStore.open(tmp_path / "s")
+    ns = store.namespace(NamespaceSpec("m", "float16", 4, (GroupSpec(0, 64, (0,)),)))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    leftover = Path(ns.chunk_path(0, b"k" * 32) + f".tmp.{dead}.abcd1234")
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"torn")
+    old = time.time() - 120
+    os.utime(leftover, (old, old))
+    fresh = leftover.with_name(f"7.tmp.{dead}.ffff0000")
+    fresh.write_bytes(b"still young")
+    collect_in_background(store).join(30)
+    assert not leftover.exists() and fresh.exists()

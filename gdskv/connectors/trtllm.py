@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional, Sequence
 from gdskv.config import GdsKvConfig, load_config
 from gdskv.connectors.trtllm_base import TRTLLM_AVAILABLE, KvCacheConnectorScheduler, KvCacheConnectorWorker
 from gdskv.eviction import install_budget
+from gdskv.garbage import collect_in_background
 from gdskv.io import make_engine
 from gdskv.layout import single_pool_layout
 from gdskv.planner import (
@@ -505,6 +506,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
             store = PageStore.open(self._cfg.store_path)
             ns = store.namespace(spec)
             install_budget(store, self._cfg)
+            collect_in_background(store)
             others = [o.id for o in store.namespaces() if o.spec.model == spec.model and o.spec.tp_rank == d.tp_rank and o.id != ns.id]
         except StoreError as e:
             raise ConnectorSetupError(f"gdskv: store_path (GDSKV_STORE) {self._cfg.store_path}: {e}") from None
