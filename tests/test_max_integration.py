@@ -1,0 +1,242 @@
+"""gdskv's KVConnector inside a real Modular MAX pipeline, on CPU (``pytest -m max``).
+
+Installs ``max[serve]==26.7.0`` into its own virtualenv (``GDSKV_MAX_VENV``, default
+``~/.cache/gdskv-test/venv-max``, kept between runs) when it is missing (a virtualenv that also
+sees this interpreter's packages: torch, zarr), builds a tiny random fp32
+Llama offline (``scripts/make_tiny_llama.py``), and runs ``max generate --devices cpu`` in
+separate processes on one store:
+
+1. plain ``max generate`` without gdskv: the reference output;
+2. with the connector on an empty store: the prompt's full blocks are offloaded;
+3. a second process: the prompt's blocks are loaded from the store, same output;
+4. after corrupting one chunk, ``max serve`` with one completion request: the load fails
+   (counted), MAX's scheduler recomputes the prefix, same output, and the block is stored again.
+   (``max generate`` cannot take this case in MAX 26.7: its loop waits on a load with
+   ``synchronize()`` and runs the step without polling, so MAX itself stops with "ran past an
+   onload whose copy failed"; the serving scheduler holds the request back and polls.)
+5. after overwriting every chunk with well-formed zero KV: the blocks load and the output
+   changes, so the equality in 3 is evidence that the loaded KV is what the model read.
+
+It is part of the default test run (``-m "not max"`` leaves it out): the first run on a machine
+downloads about 1.3 GB and compiles for minutes; MAX's compile cache lives in the virtualenv
+(``modular-cache``, ``MODULAR_CACHE_DIR``), so later runs take about two minutes.
+``docs/max.md`` has the timings.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from gdskv import format as fmt
+
+pytestmark = pytest.mark.max
+
+REPO = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("GDSKV_MAX_VENV") or Path.home() / ".cache" / "gdskv-test" / "venv-max")
+MAX_REQUIREMENT = "max[serve]==26.7.0"
+PAGE_TOKENS = 128
+PROMPT = " ".join(["the store is a zarr hierarchy with one chunk per block hash"] * 15)
+RUN_TIMEOUT = 900
+
+
+def _venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def _venv_ready() -> bool:
+    py = _venv_python()
+    if not py.exists():
+        return False
+    probe = subprocess.run([str(py), "-c", "import max.pipelines, torch, zarr, transformers"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.fixture(scope="session")
+def max_python() -> Path:
+    """The MAX virtualenv's interpreter, with MAX installed; creates the virtualenv when needed."""
+    if not _venv_ready():
+        VENV.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(VENV)], check=True)
+        pip = [str(_venv_python()), "-m", "pip", "install", "-q"]
+        subprocess.run(pip + ["--upgrade", "pip", "setuptools"], check=True)  # pip 23's resolver gives up on max[serve]
+        subprocess.run(pip + [MAX_REQUIREMENT], check=True)
+    return _venv_python()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(max_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([str(max_python), str(REPO / "scripts" / "make_tiny_llama.py"), str(out)], check=True,
+                   env=_env({}))
+    return out
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSKV_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["HF_HUB_OFFLINE"] = "1"
+    env["MAX_SERVE_DISABLE_TELEMETRY"] = "1"
+    env["MODULAR_CACHE_DIR"] = env.get("MODULAR_CACHE_DIR", str(VENV / "modular-cache"))
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Run:
+    """One ``max generate`` process: its generated text, connector counters and wall time."""
+
+    text: str
+    prompt_tokens: int
+    stats: dict
+    seconds: float
+
+
+def _generate(python: Path, model: Path, store: Path | None, stats_file: Path | None) -> Run:
+    args = ["generate", "--model-path", str(model), "--devices", "cpu", "--prompt", PROMPT,
+            "--max-new-tokens", "8", "--top-k", "1", "--seed", "0", "--max-length", "1024",
+            "--max-batch-size", "1"]
+    if store is None:
+        cmd = [str(python), "-c", "import sys; from max._entrypoints.pipelines import main; sys.argv[0] = 'max'; sys.exit(main())"] + args
+        extra: dict[str, str] = {}
+    else:
+        cmd = [str(python), "-m", "gdskv.connectors.max_launch"] + args + ["--kv-connector-config", '{"type":"rust_tiered"}']
+        extra = {"GDSKV_STORE": str(store), "GDSKV_MAX_METRICS": str(stats_file)}
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=_env(extra), cwd=REPO,
+                          timeout=RUN_TIMEOUT)
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0, f"{' '.join(cmd[:4])} failed:\n{proc.stderr[-4000:]}"
+    text, sep, tail = proc.stdout.partition("\nPrompt size: ")
+    assert sep, f"unexpected max generate output:\n{proc.stdout[-2000:]}"
+    stats = json.loads(stats_file.read_text()) if stats_file is not None else {}
+    return Run(text, int(tail.split()[0]), stats, seconds)
+
+
+def _serve_once(python: Path, model: Path, store: Path, stats_file: Path) -> Run:
+    """``max serve`` with the connector, one greedy completion of the prompt, then SIGINT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(python), "-m", "gdskv.connectors.max_launch", "serve", "--model-path", str(model), "--devices", "cpu",
+           "--max-length", "1024", "--max-batch-size", "1", "--host", "127.0.0.1", "--port", str(port),
+           "--kv-connector-config", '{"type":"rust_tiered"}']
+    env = _env({"GDSKV_STORE": str(store), "GDSKV_MAX_METRICS": str(stats_file)})
+    start = time.monotonic()
+    with open(stats_file.with_suffix(".log"), "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            while True:
+                assert server.poll() is None, f"max serve exited early; see {log.name}"
+                assert time.monotonic() - start < RUN_TIMEOUT, "max serve did not come up"
+                try:
+                    urllib.request.urlopen(f"{base}/v1/models", timeout=2).read()
+                    break
+                except OSError:
+                    time.sleep(1)
+            body = {"model": str(model), "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "top_k": 1, "seed": 0}
+            req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            reply = json.load(urllib.request.urlopen(req, timeout=RUN_TIMEOUT))
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    return Run(reply["choices"][0]["text"], reply["usage"]["prompt_tokens"], json.loads(stats_file.read_text()),
+               time.monotonic() - start)
+
+
+def _chunks(store: Path) -> list[Path]:
+    return sorted(p for p in (store / "ns").glob("*/g*/c/*/0/*") if p.is_file() and fmt.TMP_MARK not in p.name)
+
+
+def _flip_payload_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def _zero_payload(path: Path) -> None:
+    """Rewrite a chunk with an all-zero payload and a trailer that matches it: well-formed KV,
+    just not the KV of its tokens."""
+    raw = path.read_bytes()
+    t = fmt.unpack(raw[-fmt.TRAILER_BYTES:])
+    payload = bytes(t.payload_nbytes)
+    trailer = fmt.pack(fmt.Trailer(t.layer_group, t.payload_nbytes, fmt.crc32c(payload), t.store_key, t.block_key,
+                                   t.parent_key))
+    path.write_bytes(payload + trailer)
+
+
+@dataclass
+class Session:
+    baseline: Run
+    first: Run
+    second: Run
+    corrupted: Run
+    zeroed: Run
+    chunks_after_first: int
+    chunk_bytes: int
+
+
+@pytest.fixture(scope="module")
+def session(max_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Session:
+    work = tmp_path_factory.mktemp("max-runs")
+    store = work / "store"
+    baseline = _generate(max_python, tiny_llama, None, None)
+    first = _generate(max_python, tiny_llama, store, work / "first.json")
+    chunks = _chunks(store)
+    chunk_bytes = chunks[0].stat().st_size if chunks else 0
+    second = _generate(max_python, tiny_llama, store, work / "second.json")
+    _flip_payload_byte(chunks[len(chunks) // 2])
+    corrupted = _serve_once(max_python, tiny_llama, store, work / "corrupted.json")
+    for chunk in _chunks(store):
+        _zero_payload(chunk)
+    zeroed = _generate(max_python, tiny_llama, store, work / "zeroed.json")
+    for name, run in [("baseline", baseline), ("first", first), ("second", second), ("corrupted", corrupted), ("zeroed", zeroed)]:
+        print(f"max generate [{name}]: {run.seconds:.1f} s, text {run.text!r}, connector {run.stats}")
+    return Session(baseline, first, second, corrupted, zeroed, len(chunks), chunk_bytes)
+
+
+def test_first_run_offloads_the_prompts_full_blocks(session: Session):
+    blocks = session.baseline.prompt_tokens // PAGE_TOKENS
+    assert blocks >= 3
+    s = session.first.stats
+    assert s["blocks_written"] == blocks and s["blocks_read"] == 0 and s["offload_blocks_dropped"] == 0
+    assert session.chunks_after_first == blocks
+    assert s["bytes_written"] == blocks * (session.chunk_bytes - fmt.TRAILER_BYTES)
+    assert session.first.text == session.baseline.text
+
+
+def test_second_process_loads_the_prompt_from_the_store(session: Session):
+    blocks = session.baseline.prompt_tokens // PAGE_TOKENS
+    s = session.second.stats
+    assert s["loads"] == 1 and s["blocks_read"] == blocks and s["load_failures"] == 0
+    assert s["bytes_read"] == blocks * (session.chunk_bytes - fmt.TRAILER_BYTES)
+    assert s["blocks_written"] == 0
+    assert session.second.text == session.baseline.text
+
+
+def test_corrupt_chunk_is_a_counted_failure_and_the_output_is_unchanged(session: Session):
+    s = session.corrupted.stats
+    assert s["load_failures"] == 1 and s["blocks_read"] == 0
+    assert s["blocks_written"] == 1  # the quarantined block, recomputed, is stored again
+    assert session.corrupted.text == session.baseline.text
+
+
+def test_loaded_kv_is_what_the_model_reads(session: Session):
+    blocks = session.baseline.prompt_tokens // PAGE_TOKENS
+    assert session.zeroed.stats["blocks_read"] == blocks
+    assert session.zeroed.text != session.baseline.text
