@@ -56,7 +56,7 @@ def check_chunk(ns: Namespace, group: int, path: str) -> Optional[str]:
         return "foreign-key"
     if t.payload_nbytes != payload.nbytes or t.payload_nbytes != ns.spec.group(group).bytes_per_page:
         return "bad-size"
-    if fmt.crc32c(payload) != t.payload_crc:
+    if fmt.payload_checksum(t.checksum_algo, payload) != t.payload_crc:
         return "bad-checksum"
     return None
 

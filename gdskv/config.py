@@ -18,6 +18,7 @@ from typing import Any, Optional
 ENV_CONFIG = "GDSKV_CONFIG"
 ENV_STORE = "GDSKV_STORE"
 ENGINES = ("auto", "posix", "kvikio")
+O_DIRECT_MODES = ("off", "writes", "all")
 
 
 class ConfigError(ValueError):
@@ -52,7 +53,7 @@ class GdsKvConfig:
     store_path: str = field(default_factory=default_store_path)
     engine: str = "auto"
     io_threads: int = 8
-    o_direct: bool = False
+    o_direct: str = "writes"
     fsync: bool = False
     kvikio_threads: int = 4
     kvikio_task_size: int = 4 << 20
@@ -77,9 +78,12 @@ class GdsKvConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 256:
                 raise bad(key, f"must be an integer in [1, 256], got {v!r}")
-        for key in ("o_direct", "fsync"):
-            if not isinstance(getattr(self, key), bool):
-                raise bad(key, f"must be true or false, got {getattr(self, key)!r}")
+        if isinstance(self.o_direct, bool):
+            self.o_direct = "all" if self.o_direct else "off"
+        if self.o_direct not in O_DIRECT_MODES:
+            raise bad("o_direct", f"must be one of {', '.join(O_DIRECT_MODES)} (or true/false), got {self.o_direct!r}")
+        if not isinstance(self.fsync, bool):
+            raise bad("fsync", f"must be true or false, got {self.fsync!r}")
         for key in ("kvikio_task_size", "max_bytes", "min_free_bytes"):
             v = getattr(self, key)
             if v is None:

@@ -9,10 +9,11 @@ offset size field
 ====== ==== ===============================================================
 0      8    magic ``b"GDSKVPG1"``
 8      2    format version (``FORMAT_VERSION``)
-10     2    flags: bit 0 has-parent; bits 8..15 block key length (8 or 32)
+10     2    flags: bit 0 has-parent; bits 1..3 payload checksum algorithm; bits 8..15 block key length (8 or 32)
 12     4    layer group id
 16     8    payload length in bytes
-24     4    CRC32C of the payload
+24     4    checksum of the payload (CRC32C, or for pages saved from device memory the
+            position-weighted sum of ``weighted_checksum``)
 28     4    CRC32C of the trailer with this field zeroed
 32     32   store key (namespace + group + block key, ``gdskv.keys.store_key``)
 64     32   block key, zero-padded to 32 bytes
@@ -40,6 +41,11 @@ HI_BITS = 12
 LO_BITS = 50
 _HEAD = struct.Struct("<8sHHIQII")  # 32 bytes
 FLAG_HAS_PARENT = 1
+CHECKSUM_CRC32C = 0
+CHECKSUM_WEIGHTED = 1
+"""Computed where the page is (on the GPU for device pages), so no page crosses to the host to be checksummed."""
+_ALGO_SHIFT, _ALGO_MASK = 1, 0b111
+WEIGHT_MODULUS = 65521
 TMP_MARK = ".tmp."
 
 
@@ -55,6 +61,7 @@ class Trailer:
     store_key: bytes
     block_key: bytes
     parent_key: Optional[bytes] = None
+    checksum_algo: int = CHECKSUM_CRC32C
 
 
 def _load_libcrc32c() -> Optional[ctypes.CDLL]:
@@ -94,7 +101,7 @@ def crc32c(data, value: int = 0) -> int:
 
 def pack(t: Trailer) -> bytes:
     key_len = len(t.block_key)
-    flags = (key_len << 8) | (FLAG_HAS_PARENT if t.parent_key is not None else 0)
+    flags = (key_len << 8) | (FLAG_HAS_PARENT if t.parent_key is not None else 0) | (t.checksum_algo << _ALGO_SHIFT)
     body = (
         t.store_key
         + t.block_key.ljust(32, b"\0")
@@ -121,6 +128,9 @@ def unpack(raw: bytes) -> Trailer:
     if key_len not in (8, 32):
         raise ChunkFormatError(f"bad block key length {key_len}")
     parent_len = key_len if flags & FLAG_HAS_PARENT else 0
+    algo = (flags >> _ALGO_SHIFT) & _ALGO_MASK
+    if algo not in (CHECKSUM_CRC32C, CHECKSUM_WEIGHTED):
+        raise ChunkFormatError(f"unknown payload checksum algorithm {algo}")
     return Trailer(
         layer_group=group,
         payload_nbytes=nbytes,
@@ -128,7 +138,35 @@ def unpack(raw: bytes) -> Trailer:
         store_key=raw[32:64],
         block_key=raw[64:64 + key_len],
         parent_key=raw[96:96 + parent_len] if parent_len else None,
+        checksum_algo=algo,
     )
+
+
+def fold_weighted(byte_sum: int, weighted_sum: int, nbytes: int) -> int:
+    """The 32-bit ``CHECKSUM_WEIGHTED`` value from its two sums (see ``weighted_checksum``)."""
+    return (byte_sum * 0x9E3779B1 + weighted_sum * 0x85EBCA77 + nbytes) & 0xFFFFFFFF
+
+
+def weighted_checksum(data) -> int:
+    """``CHECKSUM_WEIGHTED`` of host bytes: ``a = Σ x_i``, ``b = Σ (i mod 65521 + 1)·x_i`` over the
+    payload's bytes, folded to 32 bits. ``gdskv.transfer`` computes the same with torch on the
+    page's own device; this is the host form (verify, tests)."""
+    import numpy as np
+
+    x = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    a = b = 0
+    step = 1 << 22
+    for off in range(0, x.size, step):
+        part = x[off:off + step].astype(np.int64)
+        pos = np.arange(off, off + part.size, dtype=np.int64) % WEIGHT_MODULUS + 1
+        a += int(part.sum())
+        b += int((part * pos).sum())
+    return fold_weighted(a, b, x.size)
+
+
+def payload_checksum(algo: int, data) -> int:
+    """The payload checksum of host bytes under the trailer's algorithm."""
+    return crc32c(data) if algo == CHECKSUM_CRC32C else weighted_checksum(data)
 
 
 def chunk_index(store_key: bytes) -> tuple[int, int]:

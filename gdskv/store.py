@@ -150,6 +150,7 @@ class Namespace:
         self.id = spec.namespace_id
         self.path = store.root / "ns" / self.id
         self.counters = Counters()
+        self._array_dirs = {g.layer_group_id: str(self.path / f"g{g.layer_group_id}") for g in spec.groups}
 
     def array_path(self, group: int) -> Path:
         return self.path / f"g{group}"
@@ -158,7 +159,8 @@ class Namespace:
         return store_key(self.id, group, key)
 
     def chunk_path(self, group: int, key: bytes) -> str:
-        return str(self.array_path(group) / fmt.chunk_relpath(self.store_key(group, key)))
+        """Called per key on every lookup: plain strings, no pathlib."""
+        return f"{self._array_dirs[group]}/{fmt.chunk_relpath(self.store_key(group, key))}"
 
     def chunk_nbytes(self, group: int) -> int:
         return self.spec.group(group).bytes_per_page + fmt.TRAILER_BYTES

@@ -1,0 +1,249 @@
+"""Round trips of page bytes through both I/O engines, with real files.
+
+kvikio runs through the CUDA driver test double (``tests/fakecuda``) where no real driver exists:
+the ``kvikio`` fixture loads it before the first kvikio I/O of this process, and one test repeats
+a round trip in a fresh subprocess with ``KVIKIO_COMPAT_MODE=ON``.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdskv.io.base import IoEngine, Segment, ShortReadError
+from gdskv.io.capabilities import cuda_driver_present, kvikio_available
+from gdskv.io.posix import PosixEngine, aligned_host_buffer
+
+try:
+    from tests.fakecuda import ensure_libcuda
+except ImportError:  # tests/ itself on sys.path (pytest's default "prepend" import mode)
+    from fakecuda import ensure_libcuda
+
+TESTS_DIR = Path(__file__).resolve().parent
+KiB, MiB = 1 << 10, 1 << 20
+PAGE_SIZES = [4 * KiB, 4 * KiB + 128, 3 * 4 * KiB + 7, 1 * MiB, 4 * MiB]
+ENGINE_NAMES = ["posix", "posix-odirect", "posix-direct-writes", "kvikio"]
+
+
+@pytest.fixture(scope="module")
+def driver() -> str:
+    """``"real"`` or ``"double"``: which libcuda kvikio will find in this process."""
+    pytest.importorskip("kvikio", reason="kvikio is an optional extra (gdskv[cu12])")
+    return ensure_libcuda()
+
+
+@pytest.fixture(scope="module")
+def engines(driver: str):
+    from gdskv.io.kvikio_engine import KvikioEngine
+
+    made = {
+        "posix": PosixEngine(threads=4),
+        "posix-odirect": PosixEngine(threads=4, o_direct=True),
+        "posix-direct-writes": PosixEngine(threads=4, o_direct=True, direct_reads=False),
+        "kvikio": KvikioEngine(threads=4, task_size=1 * MiB),
+    }
+    yield made
+    for engine in made.values():
+        engine.close()
+
+
+@pytest.fixture(params=ENGINE_NAMES)
+def engine(request: pytest.FixtureRequest, engines: dict[str, IoEngine]) -> IoEngine:
+    return engines[request.param]
+
+
+def _random_bytes(nbytes: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+
+
+def _aligned_tensor(nbytes: int) -> torch.Tensor:
+    """A page-aligned CPU uint8 tensor, so O_DIRECT (posix) and direct writes (kvikio) engage."""
+    return torch.frombuffer(aligned_host_buffer(nbytes), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("nbytes", PAGE_SIZES)
+def test_page_with_trailer_round_trip(engine: IoEngine, tmp_path: Path, nbytes: int) -> None:
+    path = str(tmp_path / "chunk")
+    page = _random_bytes(nbytes, seed=nbytes)
+    trailer = os.urandom(128)
+    wrote = engine.write(path, [Segment(0, page), Segment(nbytes, trailer)])
+    assert isinstance(wrote, Future)
+    assert wrote.result() == nbytes + 128
+    assert os.path.getsize(path) == nbytes + 128
+
+    back, back_trailer = torch.zeros(nbytes, dtype=torch.uint8), bytearray(128)
+    assert engine.read(path, [Segment(0, back), Segment(nbytes, back_trailer)]).result() == nbytes + 128
+    assert torch.equal(back, page)
+    assert bytes(back_trailer) == trailer
+
+
+@pytest.mark.parametrize("nbytes", [4 * KiB, 1 * MiB, 4 * MiB])
+def test_aligned_memory_round_trip(engine: IoEngine, tmp_path: Path, nbytes: int) -> None:
+    path = str(tmp_path / "chunk")
+    page = _aligned_tensor(nbytes)
+    page.copy_(_random_bytes(nbytes, seed=7))
+    assert engine.write(path, [Segment(0, page)]).result() == nbytes
+    back = _aligned_tensor(nbytes)
+    assert engine.read(path, [Segment(0, back)]).result() == nbytes
+    assert torch.equal(back, page)
+
+
+def test_segments_of_several_dtypes_at_offsets(engine: IoEngine, tmp_path: Path) -> None:
+    """Region slots of fp16 and bf16 pools (as uint8 views and as they are), with gaps between."""
+    path = str(tmp_path / "chunk")
+    fp16 = torch.randn(64 * KiB, dtype=torch.float16)
+    bf16 = torch.randn(3 * 1000 + 1, dtype=torch.bfloat16)
+    raw = _random_bytes(4 * KiB + 128, seed=3)
+    layout = [(0, fp16), (200 * KiB, bf16.view(torch.uint8)), (300 * KiB + 5, raw), (400 * KiB, bf16)]
+    total = sum(t.numel() * t.element_size() for _, t in layout)
+    assert engine.write(path, [Segment(off, t) for off, t in layout]).result() == total
+
+    backs = [(off, torch.empty_like(t)) for off, t in layout]
+    assert engine.read(path, [Segment(off, t) for off, t in backs]).result() == total
+    for (_, want), (_, got) in zip(layout, backs):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_write_truncates_an_existing_file(engine: IoEngine, tmp_path: Path) -> None:
+    path = str(tmp_path / "chunk")
+    engine.write(path, [Segment(0, _random_bytes(1 * MiB, seed=1))]).result()
+    engine.write(path, [Segment(0, b"short")]).result()
+    assert Path(path).read_bytes() == b"short"
+
+
+def test_short_read_is_an_oserror(engine: IoEngine, tmp_path: Path) -> None:
+    path = str(tmp_path / "chunk")
+    engine.write(path, [Segment(0, _random_bytes(4 * KiB + 100, seed=2))]).result()
+    with pytest.raises(ShortReadError):
+        engine.read(path, [Segment(0, torch.empty(8 * KiB, dtype=torch.uint8))]).result()
+    with pytest.raises(ShortReadError):  # the trailer read past the end of a truncated chunk
+        engine.read(path, [Segment(8 * KiB, bytearray(128))]).result()
+
+
+def test_missing_file_is_an_oserror(engine: IoEngine, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        engine.read(str(tmp_path / "absent"), [Segment(0, bytearray(16))]).result()
+    with pytest.raises(FileNotFoundError):
+        engine.write(str(tmp_path / "no-dir" / "chunk"), [Segment(0, b"x")]).result()
+
+
+def test_batches_resolve_with_byte_counts(engine: IoEngine, tmp_path: Path) -> None:
+    pages = {str(tmp_path / f"c{i}"): _random_bytes(MiB // 4 + i, seed=i) for i in range(24)}
+    writes = engine.write_batch([(p, [Segment(0, t)]) for p, t in pages.items()])
+    assert [f.result() for f in writes] == [t.numel() for t in pages.values()]
+    backs = {p: torch.empty_like(t) for p, t in pages.items()}
+    reads = engine.read_batch([(p, [Segment(0, t)]) for p, t in backs.items()])
+    assert [f.result() for f in reads] == [t.numel() for t in pages.values()]
+    assert all(torch.equal(backs[p], pages[p]) for p in pages)
+
+
+def test_engines_read_each_others_files(engines: dict[str, IoEngine], tmp_path: Path) -> None:
+    page = _random_bytes(1 * MiB + 128, seed=11)
+    for writer in ENGINE_NAMES:
+        path = str(tmp_path / writer)
+        engines[writer].write(path, [Segment(0, page)]).result()
+        for reader in ENGINE_NAMES:
+            back = torch.empty_like(page)
+            engines[reader].read(path, [Segment(0, back)]).result()
+            assert torch.equal(back, page), (writer, reader)
+
+
+def test_kvikio_reports_its_mode(engines: dict[str, IoEngine], driver: str) -> None:
+    kvikio_engine = engines["kvikio"]
+    assert kvikio_engine.name == "kvikio" and "kvikio" in kvikio_engine.describe()
+    assert not engines["posix"].gds_active
+    if driver == "double":
+        assert not kvikio_engine.gds_active
+        assert "compat" in kvikio_engine.describe()
+
+
+def test_capability_probes_never_raise(driver: str) -> None:
+    assert kvikio_available()
+    present = cuda_driver_present()
+    assert isinstance(present, bool)
+    if driver == "double":
+        assert not present, "the driver test double must never count as a CUDA driver"
+
+
+def test_kvikio_round_trip_in_a_fresh_process(driver: str, tmp_path: Path) -> None:
+    """The double loaded by a new process before its first kvikio I/O, with compat mode forced."""
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from fakecuda import ensure_libcuda
+        which = ensure_libcuda()
+        from gdskv.io.base import Segment
+        from gdskv.io.kvikio_engine import KvikioEngine
+        engine = KvikioEngine(threads=2, task_size=256 * 1024)
+        page = torch.randn(300_001, dtype=torch.bfloat16)
+        path = sys.argv[1]
+        assert engine.write(path, [Segment(0, page), Segment(600_002, b"trailer")]).result() == 600_009
+        back, trailer = torch.empty_like(page), bytearray(7)
+        assert engine.read(path, [Segment(0, back), Segment(600_002, trailer)]).result() == 600_009
+        assert torch.equal(back.view(torch.uint8), page.view(torch.uint8)) and trailer == b"trailer"
+        engine.close()
+        print(which, engine.gds_active)
+        """
+    )
+    env = dict(os.environ, KVIKIO_COMPAT_MODE="ON")
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), str(TESTS_DIR.parent), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "chunk")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [driver, "False"]
+
+
+def test_bad_memory_is_the_callers_error(engine: IoEngine, tmp_path: Path) -> None:
+    """Non-contiguous or read-only memory is a ValueError, and the file is still closed."""
+    path = str(tmp_path / "chunk")
+    engine.write(path, [Segment(0, _random_bytes(8 * KiB, seed=5))]).result()
+    strided = torch.zeros(8 * KiB, dtype=torch.uint8)[::2]
+    with pytest.raises(ValueError):
+        engine.read(path, [Segment(0, bytearray(16)), Segment(16, strided)]).result()
+    with pytest.raises((ValueError, TypeError, BufferError)):  # posix: BufferError from preadv
+        engine.read(path, [Segment(0, b"read-only memory")]).result()
+
+
+def test_store_bench_runs_and_reports_ratios(driver: str, tmp_path: Path) -> None:
+    """``gdskv bench`` end to end on a few MiB: every subject measured, pages verified, ratios."""
+    from gdskv.bench import BenchOptions, format_report, run
+
+    options = BenchOptions(directory=str(tmp_path), total_bytes=4 * MiB, page_sizes=(1 * MiB,), rounds=1,
+                           engines=("posix", "posix+direct_writes", "kvikio"))
+    report = run(options)
+    subjects = {row["subject"] for row in report["results"]}
+    assert subjects == {"raw", "raw+o_direct", "torch.save", "store:posix", "store:posix+direct_writes", "store:kvikio"}
+    store_row = next(r for r in report["results"] if r["subject"] == "store:kvikio")
+    assert set(store_row["vs_raw"]) == {"save", "load_cold", "load_warm"} and store_row["save_gbps"] > 0
+    assert "store:kvikio" in format_report(report)
+    assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself
+
+
+def test_posix_o_direct_works_on_tmpfs(tmp_path):
+    """Older kernels' tmpfs refuses O_DIRECT with EINVAL; the engine must keep working there
+    (buffered, after one warning), and where tmpfs accepts O_DIRECT, directly."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm (tmpfs) here")
+    import tempfile
+
+    from gdskv.io.posix import PosixEngine
+
+    with tempfile.TemporaryDirectory(dir=shm) as d:
+        engine = PosixEngine(o_direct=True)
+        src = torch.arange(8192, dtype=torch.int32).view(torch.uint8)[:16384]
+        path = os.path.join(d, "chunk")
+        assert engine.write(path, [Segment(0, src)]).result() == src.numel()
+        dst = torch.zeros_like(src)
+        assert engine.read(path, [Segment(0, dst)]).result() == src.numel()
+        assert torch.equal(src, dst)
+        engine.close()
