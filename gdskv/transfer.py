@@ -99,14 +99,19 @@ class PageTransfer:
         self._warn_lock = threading.Lock()
 
     # --- saves --------------------------------------------------------------------------------
-    def save_page(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[torch.Tensor]) -> "Future[SaveStatus]":
+    def save_page(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[torch.Tensor],
+                  ready: Optional[Any] = None) -> "Future[SaveStatus]":
         """Publish a page under ``key`` (in layer group ``group``) unless it is already stored.
 
-        The caller keeps the page's memory unchanged until the future resolves.
+        ``ready``: something with ``synchronize()`` (a CUDA event recorded on the forward pass's
+        stream) that the transfer thread waits on before it reads the page, so the caller never
+        blocks on the device. The caller keeps the page's memory unchanged until the future resolves.
         """
-        return self._pool.submit(self._save, group, key, parent, list(segments))
+        return self._pool.submit(self._save, group, key, parent, list(segments), ready)
 
-    def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor]) -> SaveStatus:
+    def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor], ready: Optional[Any] = None) -> SaveStatus:
+        if ready is not None:
+            ready.synchronize()
         ns = self.ns
         path = ns.chunk_path(group, key)
         nbytes = sum(s.numel() for s in segments)
@@ -152,7 +157,7 @@ class PageTransfer:
         for attempt in (0, 1):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             try:
-                self.engine.write(tmp, segs).result()
+                self.engine.write_now(tmp, segs)
                 os.replace(tmp, path)
                 return
             except FileNotFoundError:
@@ -181,7 +186,7 @@ class PageTransfer:
         if budget is not None:
             budget.pin(path)
         try:
-            self.engine.read(path, segs).result()
+            self.engine.read_now(path, segs)
             reason = self._verify(group, key, nbytes, bytes(trailer), segments)
         except FileNotFoundError:
             ns.counters.add("loads_missing")

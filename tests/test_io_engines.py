@@ -247,3 +247,20 @@ def test_posix_o_direct_works_on_tmpfs(tmp_path):
         assert engine.read(path, [Segment(0, dst)]).result() == src.numel()
         assert torch.equal(src, dst)
         engine.close()
+
+
+def test_calling_thread_forms_match_the_futures(engine: IoEngine, tmp_path: Path) -> None:
+    """``read_now`` / ``write_now`` (what the transfer layer calls) move the same bytes, and a
+    truncated file is a ShortReadError or another OSError there too."""
+    path = str(tmp_path / "chunk")
+    regions = [_random_bytes(64 * KiB, seed=1), _random_bytes(3000, seed=2)]
+    trailer = os.urandom(128)
+    segs = [Segment(0, regions[0]), Segment(64 * KiB, regions[1]), Segment(64 * KiB + 3000, trailer)]
+    assert engine.write_now(path, segs) == 64 * KiB + 3000 + 128
+    back = [torch.zeros_like(r) for r in regions]
+    tail = bytearray(128)
+    assert engine.read_now(path, [Segment(0, back[0]), Segment(64 * KiB, back[1]), Segment(64 * KiB + 3000, tail)]) == 64 * KiB + 3128
+    assert all(torch.equal(a, b) for a, b in zip(regions, back)) and bytes(tail) == trailer
+    os.truncate(path, 64 * KiB + 100)
+    with pytest.raises(OSError):
+        engine.read_now(path, [Segment(0, back[0]), Segment(64 * KiB, back[1]), Segment(64 * KiB + 3000, tail)])

@@ -272,3 +272,27 @@ def test_device_checksum_chunks_round_trip_and_detect_damage(store_path):
     x.close()
     plain.close()
     engine.close()
+
+
+def test_a_save_reads_the_page_only_once_it_is_ready(xfer):
+    """The worker hands a CUDA event recorded on the forward stream; the transfer thread waits
+    on it, not the serving thread. A threading.Event plays the event here."""
+    import threading
+
+    class Ready:
+        def __init__(self) -> None:
+            self.flag = threading.Event()
+
+        def synchronize(self) -> None:
+            self.flag.wait(10)
+
+    page = torch.zeros(5096, dtype=torch.uint8)
+    ready = Ready()
+    fut = xfer.save_page(0, KEYS[0], None, [page], ready)
+    time.sleep(0.2)
+    assert not fut.done() and not xfer.ns.contains(0, KEYS[0])
+    page.fill_(42)  # the "kernel" finishes writing the page
+    ready.flag.set()
+    assert fut.result() is SaveStatus.PUBLISHED
+    back = torch.zeros(5096, dtype=torch.uint8)
+    assert xfer.load_page(0, KEYS[0], [back]).result() is LoadStatus.LOADED and (back == 42).all()

@@ -256,8 +256,8 @@ class GatedWrites:
     """Holds the I/O engine's writes until ``open()``: saves stay in flight as long as a test wants."""
 
     def __init__(self, engine):
-        self._engine, self._real, self._gate = engine, engine.write, threading.Event()
-        engine.write = self._write
+        self._engine, self._real, self._gate = engine, engine.write_now, threading.Event()
+        engine.write_now = self._write
 
     def _write(self, path, segments):
         self._gate.wait(10)

@@ -37,6 +37,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+import torch
+
 from gdskv.config import GdsKvConfig, load_config
 from gdskv.connectors.trtllm_base import TRTLLM_AVAILABLE, KvCacheConnectorScheduler, KvCacheConnectorWorker
 from gdskv.eviction import install_budget
@@ -627,8 +629,10 @@ class GdsKvWorker(KvCacheConnectorWorker):
         ops = meta.saves_of_group(gid)
         if not ops:
             return
-        if stream is not None and hasattr(stream, "synchronize"):
-            stream.synchronize()  # the layers' KV must be in memory before a thread reads it
+        ready = None
+        if isinstance(stream, torch.cuda.Stream):  # the layers' KV must be in memory before a thread reads it
+            ready = torch.cuda.Event()
+            ready.record(stream)
         with _PEERS_LOCK:
             failed = set(self._peers.failed.get(meta.step, ()))
         group = self._layout.group(gid)
@@ -636,7 +640,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
             if rid in failed:
                 self.counters.saves_suppressed += 1
                 continue
-            fut = self._transfer.save_page(gid, op.key, op.parent_key, page_segments(group, op.page_slot))
+            fut = self._transfer.save_page(gid, op.key, op.parent_key, page_segments(group, op.page_slot), ready)
             self._saves.setdefault(rid, []).append(fut)
             self.counters.saves_posted += 1
             if self._windows[gid] is not None:

@@ -64,6 +64,16 @@ class IoEngine(abc.ABC):
         the engine's ``fsync`` setting.
         """
 
+    def read_now(self, path: str, segments: Sequence[Segment]) -> int:
+        """``read`` on the calling thread. The transfer layer's threads call this, so a page costs
+        no hand-off to a second thread; engines that can do better than ``read(...).result()``
+        (the POSIX engine) override it."""
+        return self.read(path, segments).result()
+
+    def write_now(self, path: str, segments: Sequence[Segment]) -> int:
+        """``write`` on the calling thread (see ``read_now``)."""
+        return self.write(path, segments).result()
+
     def read_batch(self, ops: Sequence[tuple[str, Sequence[Segment]]]) -> list["Future[int]"]:
         return [self.read(path, segs) for path, segs in ops]
 
