@@ -15,6 +15,10 @@ from gdskv.cli.ls import ls
 from gdskv.cli.prewarm import prewarm
 from gdskv.cli.stats import stats
 from gdskv.cli.verify import verify
+from gdskv.connectors.max import install_if_requested
+
+# `gdskv prewarm --engine max`: MAX's model worker is a spawned process that re-imports this module.
+install_if_requested()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

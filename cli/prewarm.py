@@ -305,10 +305,11 @@ class _MaxRunner:
             from max.pipelines.lib import PipelineArgs
         except ImportError:
             raise UsageProblem("--engine max needs Modular MAX (max does not import in this Python)") from None
-        from gdskv.connectors.max import ENV_MODEL, install
+        from gdskv.connectors.max import ENV_HOOK, ENV_MODEL, install
 
         os.environ["GDSKV_STORE"] = cfg.store_path
-        os.environ.setdefault(ENV_MODEL, model)
+        os.environ.setdefault(ENV_MODEL, os.path.abspath(model) if os.path.isdir(model) else model)
+        os.environ[ENV_HOOK] = "1"  # MAX's spawned model worker installs the hook too (gdskv.cli.main)
         install()
         self.llm = LLM(PipelineArgs.from_flat_kwargs(model_path=model, kv_connector_config={"type": "rust_tiered"}))
         self.hf: Optional[HfTokenizer] = None
@@ -326,7 +327,9 @@ class _MaxRunner:
         if not text.strip():
             raise ValueError("empty prompt")
         n0, b0 = self.delta.measure()
-        self.llm.generate([text], max_new_tokens=1, use_tqdm=False)
+        # MAX offloads the blocks a step committed at its next step: one token would end the
+        # request before its prompt's blocks are written.
+        self.llm.generate([text], max_new_tokens=2, use_tqdm=False)
         n1, b1 = self.delta.measure()
         return Outcome(prompt.source, blocks_written=n1 - n0, bytes_written=b1 - b0)
 

@@ -240,3 +240,21 @@ def test_loaded_kv_is_what_the_model_reads(session: Session):
     blocks = session.baseline.prompt_tokens // PAGE_TOKENS
     assert session.zeroed.stats["blocks_read"] == blocks
     assert session.zeroed.text != session.baseline.text
+
+
+def test_prewarm_with_max_then_a_new_process_loads_the_prompt(max_python: Path, tiny_llama: Path, session: Session,
+                                                              tmp_path: Path):
+    """``gdskv prewarm --engine max`` writes the prompt's blocks; ``max generate`` in another
+    process then reads them all and generates what plain MAX does."""
+    store = tmp_path / "store"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
+    pre = subprocess.run([str(max_python), "-m", "gdskv.cli.main", "--store", str(store), "prewarm", "--engine", "max",
+                          "--model", str(tiny_llama), "--json", str(prompts)],
+                         capture_output=True, text=True, errors="replace", env=_env({}), cwd=REPO, timeout=RUN_TIMEOUT)
+    assert pre.returncode == 0, pre.stderr[-4000:]
+    blocks = session.baseline.prompt_tokens // PAGE_TOKENS
+    assert len(_chunks(store)) == blocks
+    run = _generate(max_python, tiny_llama, store, tmp_path / "after-prewarm.json")
+    assert run.stats["blocks_read"] == blocks and run.stats["blocks_written"] == 0
+    assert run.text == session.baseline.text

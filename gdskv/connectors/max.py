@@ -969,3 +969,22 @@ def install() -> None:
 
     jcm.create_connector = create_connector
     _installed = create_connector
+
+
+ENV_HOOK = "GDSKV_MAX_HOOK"
+"""Set to ``1`` by a process that installed the hook for MAX model workers it spawns; see
+``install_if_requested``."""
+
+
+def install_if_requested() -> None:
+    """Install the hook when ``GDSKV_MAX_HOOK=1`` and MAX imports; otherwise do nothing.
+
+    MAX's offline ``LLM`` runs the model in a worker started with ``spawn``, which re-imports the
+    parent's main module; a main module that calls this at import (``gdskv.cli.main``) thus
+    gives that worker the hook its parent installed (``gdskv prewarm --engine max``)."""
+    if os.environ.get(ENV_HOOK) != "1":
+        return
+    try:
+        install()
+    except ImportError:
+        log.warning("gdskv: %s=1 but MAX does not import here; no connector hook", ENV_HOOK)
