@@ -215,10 +215,6 @@ class Namespace:
         log.warning("gdskv: quarantined chunk %s (%s) to %s", path, reason, dest)
         return str(dest)
 
-    def zarr_array(self, group: int) -> zarr.Array:
-        """The layer group's array through plain zarr (for tools and tests)."""
-        return zarr.open_array(str(self.array_path(group)), mode="r")
-
 
 class PageStore:
     """A gdskv store at ``root``. Cheap to open; safe to open from many processes at once."""
