@@ -13,9 +13,8 @@ from typing import Any, Optional
 
 import click
 
-from gdskv import format as fmt
 from gdskv.config import ConfigError, GdsKvConfig, load_config, parse_size
-from gdskv.store import Namespace, PageStore, StoreError, is_store
+from gdskv.store import Namespace, PageStore, StoreError
 
 
 class UsageProblem(click.ClickException):
@@ -34,16 +33,14 @@ def config_of(ctx: click.Context) -> GdsKvConfig:
 
 def open_existing(ctx: click.Context) -> tuple[GdsKvConfig, PageStore]:
     """The config and the store, which must already exist: every command but ``prewarm`` refuses
-    to create one, and refuses a directory that is not a gdskv store."""
+    to create one, and refuses a directory that is not a gdskv store (``PageStore.open`` checks)."""
     cfg = config_of(ctx)
     root = Path(cfg.store_path)
-    if not is_store(root):
-        why = "does not exist" if not root.exists() else "has no zarr.json with a 'gdskv' attribute"
-        raise UsageProblem(f"{root} is not a gdskv store ({why}); refusing to touch it. Pass --store PATH or set GDSKV_STORE.")
     try:
         return cfg, PageStore.open(root, create=False)
     except StoreError as e:
-        raise UsageProblem(str(e)) from None
+        why = str(e) if root.exists() else f"{root} is not a gdskv store (it does not exist)"
+        raise UsageProblem(f"{why}; refusing to touch it. Pass --store PATH or set GDSKV_STORE.") from None
 
 
 def select_namespaces(store: PageStore, wanted: Optional[str]) -> list[Namespace]:
@@ -87,8 +84,9 @@ def parse_size_or_percent(text: str, fs_total: int) -> int:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    """``1536`` → ``"1.5 KiB"`` (binary units up to TiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
@@ -101,16 +99,6 @@ def human_age(mtime_ns: int, now_ns: Optional[int] = None) -> str:
         if secs >= size:
             return f"{secs / size:.1f}{unit} ago"
     return f"{secs:.0f}s ago"
-
-
-def read_trailer(path: str) -> Optional[fmt.Trailer]:
-    """The chunk's trailer, or None when it is missing or does not parse."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(-fmt.TRAILER_BYTES, 2)
-            return fmt.unpack(f.read(fmt.TRAILER_BYTES))
-    except (OSError, fmt.ChunkFormatError):
-        return None
 
 
 def print_json(obj: Any) -> None:

@@ -32,22 +32,22 @@ def evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[str
     cfg, store = open_existing(ctx)
     fs_total, fs_free = disk_usage(str(store.root))
     limit = parse_size_or_percent(max_bytes, fs_total) if max_bytes is not None else None
-    cutoff = time.time_ns() - int(parse_duration(older_than) * 1e9) if older_than is not None else None
+    age_s = parse_duration(older_than) if older_than is not None else None
+    cutoff = time.time_ns() - int(age_s * 1e9) if age_s is not None else None
     limits = Limits(max_bytes=limit)
     if limit is None and cutoff is None:
-        limits = Limits(cfg.max_bytes, cfg.min_free_bytes, cfg.min_free_percent)
+        limits = Limits.of(cfg)
         if not limits.active:
             raise UsageProblem("nothing to evict against: give --max-bytes and/or --older-than, or set max_bytes / min_free_* in the config")
     table = scan_store(store, select_namespaces(store, namespace))
     before = table.total_bytes
-    need = shortfall(limits, before, fs_total, fs_free) if limits.active else 0
-    by_size = select_victims(table, need)
+    by_size = select_victims(table, shortfall(limits, before, fs_total, fs_free))
     by_age = select_victims(table, None, older_than_ns=cutoff) if cutoff is not None else by_size[:0]
     rows = by_size if by_size.size >= by_age.size else by_age  # both are prefixes of one ranking
     victim_bytes = int(table.nbytes[rows].sum())
     per_ns = Counter(table.arrays[int(table.array[r])].ns_id for r in rows.tolist())
     rep: dict[str, Any] = {"dry_run": dry_run, "chunks_before": len(table), "bytes_before": before, "max_bytes": limit,
-                           "older_than_s": parse_duration(older_than) if older_than else None,
+                           "older_than_s": age_s,
                            "victims": int(rows.size), "victim_bytes": victim_bytes, "per_namespace": dict(per_ns)}
     freed = victim_bytes
     if not dry_run:

@@ -13,6 +13,8 @@ Nothing else is touched: no published chunk, no metadata, no quarantine.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import click
 from rich.console import Console
 
@@ -31,9 +33,7 @@ def gc(ctx: click.Context, grace: str, min_age: str, dry_run: bool, as_json: boo
     _, store = open_existing(ctx)
     garbage = find_garbage(store, parse_duration(min_age), parse_duration(grace))
     done = Collected() if dry_run else collect(garbage)
-    removed_files, removed_dirs, freed = done.removed_temp_files, done.removed_dirs, done.freed_bytes
-    rep = {"dry_run": dry_run, "temp_files": [p for p, _ in garbage.temp_files], "empty_dirs": garbage.empty_dirs,
-           "removed_temp_files": removed_files, "removed_dirs": removed_dirs, "freed_bytes": freed}
+    rep = {"dry_run": dry_run, "temp_files": [p for p, _ in garbage.temp_files], "empty_dirs": garbage.empty_dirs, **asdict(done)}
     if as_json:
         print_json(rep)
         return
@@ -43,4 +43,4 @@ def gc(ctx: click.Context, grace: str, min_age: str, dry_run: bool, as_json: boo
             console.print(f"would remove {p}")
         console.print(f"would remove {len(garbage.temp_files)} temp files and {len(garbage.empty_dirs)} empty directories")
     else:
-        console.print(f"removed {removed_files} temp files ({human_bytes(freed)}) and {removed_dirs} empty directories")
+        console.print(f"removed {done.removed_temp_files} temp files ({human_bytes(done.freed_bytes)}) and {done.removed_dirs} empty directories")

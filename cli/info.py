@@ -22,13 +22,14 @@ def gather(ctx: click.Context) -> dict[str, Any]:
     finally:
         engine.close()
     engine_info |= {"kvikio_installed": kvikio_available(), "cuda_driver": cuda_driver_present()}
-    table = scan_store(store, with_parents=False)
+    on_disk = store.namespaces()
+    table = scan_store(store, on_disk, with_parents=False)
     per_array: dict[tuple[str, int], tuple[int, int]] = {}
     for i, ref in enumerate(table.arrays):
         sel = table.array == i
         per_array[(ref.ns_id, ref.group)] = (int(sel.sum()), int(table.nbytes[sel].sum()))
     namespaces = []
-    for ns in store.namespaces():
+    for ns in on_disk:
         s = ns.spec
         groups = []
         for g in s.groups:
@@ -38,7 +39,7 @@ def gather(ctx: click.Context) -> dict[str, Any]:
         namespaces.append({"id": ns.id, "model": s.model, "dtype": s.dtype, "tokens_per_block": s.tokens_per_block,
                            "tp_rank": s.tp_rank, "tp_size": s.tp_size, "groups": groups})
     total, free = disk_usage(str(store.root))
-    limits = Limits(cfg.max_bytes, cfg.min_free_bytes, cfg.min_free_percent)
+    limits = Limits.of(cfg)
     return {
         "store": str(store.root),
         "format_version": store.attributes().get("format_version"),

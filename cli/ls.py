@@ -9,8 +9,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from gdskv.cli._common import human_age, human_bytes, open_existing, parse_duration, print_json, read_trailer, select_namespaces
-from gdskv.eviction import scan_store
+from gdskv.cli._common import human_age, human_bytes, open_existing, parse_duration, print_json, select_namespaces
+from gdskv.eviction import read_trailer, scan_store
 
 
 @click.command(name="ls")

@@ -24,7 +24,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import click
 from rich.console import Console
@@ -118,15 +118,23 @@ class ByteTokenizer:
 
 
 class HfTokenizer:
-    """A Hugging Face tokenizer (``transformers.AutoTokenizer``) with its chat template."""
+    """A Hugging Face tokenizer with its chat template: one ``load``ed by name (``--tokenizer`` for
+    the reference engine, chat prompts for MAX), or TensorRT-LLM's ``LLM.tokenizer`` wrapped."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+
+    @classmethod
+    def load(cls, name: str) -> "HfTokenizer":
         try:
             from transformers import AutoTokenizer
         except ImportError:
             raise UsageProblem("--tokenizer needs the transformers package (pip install transformers)") from None
-        self.tok = AutoTokenizer.from_pretrained(name)
-        self.vocab_size = len(self.tok)
+        return cls(AutoTokenizer.from_pretrained(name))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text))
@@ -160,12 +168,12 @@ class ReferenceStack:
 
 
 def reference_stack(cfg: GdsKvConfig, vocab_size: int, max_prompt_tokens: int, max_new_tokens: int = 1) -> ReferenceStack:
-    """Build the reference engine + connector on ``cfg.store_path`` (the connector reads the store
-    from gdskv's config, so ``GDSKV_STORE`` is set for this process). Also used by tests to
-    generate from prewarmed prompts in a fresh process."""
+    """Build the reference engine + connector on ``cfg.store_path``. The connector loads gdskv's
+    config itself (``GDSKV_CONFIG``), with ``GDSKV_STORE`` set here for this process, and its worker
+    installs that config's budget when the engine registers the layout. Called by ``prewarm``;
+    also by tests to generate from prewarmed prompts in a fresh process."""
     from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
     from gdskv.engine import EngineConfig, ReferenceEngine
-    from gdskv.eviction import install_budget
 
     os.environ["GDSKV_STORE"] = cfg.store_path
     tpb = REFERENCE_TOKENS_PER_BLOCK
@@ -174,21 +182,17 @@ def reference_stack(cfg: GdsKvConfig, vocab_size: int, max_prompt_tokens: int, m
     args = StandaloneLlmArgs.build(model.fingerprint(), tpb)
     scheduler, worker = GdsKvScheduler(args), GdsKvWorker(args)
     engine = ReferenceEngine(model, engine_cfg, scheduler, [worker])
-    if worker.namespace is not None:
-        install_budget(worker.namespace.store, cfg)
     return ReferenceStack(engine, scheduler, worker, tpb)
 
 
 # --- the run -------------------------------------------------------------------------------------
 @dataclass
 class Outcome:
-    source: str
-    tokens: int = 0
-    blocks_written: Optional[int] = None
+    """What one prompt added to the store (``blocks_present``: reference engine only)."""
+
+    blocks_written: int = 0
+    bytes_written: int = 0
     blocks_present: Optional[int] = None
-    bytes_written: Optional[int] = None
-    seconds: float = 0.0
-    error: Optional[str] = None
 
 
 @dataclass
@@ -203,12 +207,16 @@ class Summary:
     seconds: float = 0.0
 
 
-def _tokenize(tok: Tokenizer, p: Prompt) -> list[int]:
+def _tokenize(tok: Tokenizer, p: Prompt, max_tokens: int) -> list[int]:
+    """The prompt's token ids; ValueError (the prompt is skipped) when it is unreadable, empty or
+    longer than ``max_tokens``. Called by the reference and TensorRT-LLM runners."""
     if p.error:
         raise ValueError(p.error)
     ids = tok.render_chat(p.messages) if p.messages is not None else tok.encode(p.text or "")
     if not ids or (p.messages is None and not (p.text or "").strip()):
         raise ValueError("empty prompt")
+    if len(ids) > max_tokens:
+        raise ValueError(f"too long: {len(ids)} tokens > --max-prompt-tokens {max_tokens}")
     return ids
 
 
@@ -224,20 +232,17 @@ class _ReferenceRunner:
         self.stack = reference_stack(cfg, tok.vocab_size, max_tokens)
 
     def run(self, prompt: Prompt) -> Outcome:
-        out = Outcome(prompt.source)
-        ids = _tokenize(self.tok, prompt)
-        out.tokens = len(ids)
-        if len(ids) > self.max_tokens:
-            raise ValueError(f"too long: {len(ids)} tokens > --max-prompt-tokens {self.max_tokens}")
+        ids = _tokenize(self.tok, prompt, self.max_tokens)
         w = self.stack.worker
         ns = w.namespace
         published, existing = w.counters.saves_published, w.counters.saves_existing
         nbytes = ns.counters["bytes_written"] if ns is not None else 0
         [res] = self.stack.engine.generate([ids], max_new_tokens=1, cache_salts=[self.salt])
-        out.blocks_written = w.counters.saves_published - published
-        out.blocks_present = res.prefill_tokens_loaded // self.stack.tokens_per_block + w.counters.saves_existing - existing
-        out.bytes_written = (ns.counters["bytes_written"] if ns is not None else 0) - nbytes
-        return out
+        return Outcome(
+            blocks_written=w.counters.saves_published - published,
+            bytes_written=(ns.counters["bytes_written"] if ns is not None else 0) - nbytes,
+            blocks_present=res.prefill_tokens_loaded // self.stack.tokens_per_block + w.counters.saves_existing - existing,
+        )
 
     def close(self) -> None:
         self.stack.close()
@@ -245,18 +250,27 @@ class _ReferenceRunner:
 
 class _StoreDelta:
     """Blocks and bytes an external engine added, measured on the store (its counters live in
-    the engine's processes)."""
+    the engine's processes). Used by the TensorRT-LLM and MAX runners around each prompt."""
 
     def __init__(self, cfg: GdsKvConfig) -> None:
         from gdskv.store import PageStore
 
         self.store = PageStore.open(cfg.store_path)
+        self._last: Optional[tuple[int, int]] = None  # the scan after the previous prompt, if it ran
 
-    def measure(self) -> tuple[int, int]:
+    def _measure(self) -> tuple[int, int]:
         from gdskv.eviction import scan_store
 
         t = scan_store(self.store, with_parents=False)
         return len(t), t.total_bytes
+
+    def around(self, work: Callable[[], Any]) -> Outcome:
+        """Run ``work`` between two scans of the store; the scan after one prompt is the scan
+        before the next (one scan per prompt, not two)."""
+        before, self._last = self._last or self._measure(), None
+        work()
+        self._last = after = self._measure()
+        return Outcome(blocks_written=after[0] - before[0], bytes_written=after[1] - before[1])
 
 
 class _TrtllmRunner:
@@ -274,23 +288,13 @@ class _TrtllmRunner:
                        kv_connector_config=KvCacheConnectorConfig(connector_module="gdskv.connectors.trtllm",
                                                                   connector_scheduler_class="GdsKvScheduler",
                                                                   connector_worker_class="GdsKvWorker"))
-        self.tok = self.llm.tokenizer
+        self.tok = HfTokenizer(self.llm.tokenizer)
         self.max_tokens = max_tokens
         self.delta = _StoreDelta(cfg)
 
     def run(self, prompt: Prompt) -> Outcome:
-        if prompt.error:
-            raise ValueError(prompt.error)
-        ids = (self.tok.apply_chat_template(prompt.messages, tokenize=True, add_generation_prompt=True)
-               if prompt.messages is not None else self.tok.encode(prompt.text or ""))
-        if not ids or (prompt.messages is None and not (prompt.text or "").strip()):
-            raise ValueError("empty prompt")
-        if len(ids) > self.max_tokens:
-            raise ValueError(f"too long: {len(ids)} tokens > --max-prompt-tokens {self.max_tokens}")
-        n0, b0 = self.delta.measure()
-        self.llm.generate([list(ids)], self.params)
-        n1, b1 = self.delta.measure()
-        return Outcome(prompt.source, tokens=len(ids), blocks_written=n1 - n0, bytes_written=b1 - b0)
+        ids = _tokenize(self.tok, prompt, self.max_tokens)
+        return self.delta.around(lambda: self.llm.generate([ids], self.params))
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -320,18 +324,15 @@ class _MaxRunner:
         if prompt.error:
             raise ValueError(prompt.error)
         if prompt.messages is not None:
-            self.hf = self.hf or HfTokenizer(self.model)
+            self.hf = self.hf or HfTokenizer.load(self.model)
             text = self.hf.render_chat_text(prompt.messages)
         else:
             text = prompt.text or ""
         if not text.strip():
             raise ValueError("empty prompt")
-        n0, b0 = self.delta.measure()
         # MAX offloads the blocks a step committed at its next step: one token would end the
         # request before its prompt's blocks are written.
-        self.llm.generate([text], max_new_tokens=2, use_tqdm=False)
-        n1, b1 = self.delta.measure()
-        return Outcome(prompt.source, blocks_written=n1 - n0, bytes_written=b1 - b0)
+        return self.delta.around(lambda: self.llm.generate([text], max_new_tokens=2, use_tqdm=False))
 
     def close(self) -> None:
         del self.llm
@@ -341,7 +342,7 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
     if engine == "reference":
         if model not in (None, "reference"):
             raise UsageProblem("--engine reference runs its own model: leave --model out (or pass 'reference')")
-        return _ReferenceRunner(cfg, HfTokenizer(tokenizer) if tokenizer else ByteTokenizer(), max_tokens, salt)
+        return _ReferenceRunner(cfg, HfTokenizer.load(tokenizer) if tokenizer else ByteTokenizer(), max_tokens, salt)
     if salt is not None:
         raise UsageProblem(f"--cache-salt is only supported with --engine reference (pass the salt through {engine}'s own request API)")
     if not model:
@@ -374,19 +375,16 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
                       disable=as_json or not console.is_terminal) as progress:
             task = progress.add_task("prompts", total=len(items))
             for p in items:
-                t0 = time.perf_counter()
                 try:
                     out = runner.run(p)
                 except Exception as e:  # one prompt's failure (empty, too long, engine error) skips it
                     summary.failed.append({"source": p.source, "error": str(e) or type(e).__name__})
-                    progress.advance(task)
-                    continue
-                out.seconds = time.perf_counter() - t0
-                summary.done += 1
-                summary.blocks_written += out.blocks_written or 0
-                summary.bytes_written += out.bytes_written or 0
-                if summary.blocks_present is not None and out.blocks_present is not None:
-                    summary.blocks_present += out.blocks_present
+                else:
+                    summary.done += 1
+                    summary.blocks_written += out.blocks_written
+                    summary.bytes_written += out.bytes_written
+                    if summary.blocks_present is not None and out.blocks_present is not None:
+                        summary.blocks_present += out.blocks_present
                 progress.advance(task)
     finally:
         runner.close()

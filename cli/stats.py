@@ -14,7 +14,6 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from gdskv import format as fmt
 from gdskv.cli._common import human_bytes, open_existing, print_json
 from gdskv.store import PageStore
 
@@ -25,9 +24,7 @@ def summed(store: PageStore) -> dict[str, Any]:
     processes = 0
     unreadable = []
     d = store.private / "stats"
-    for f in sorted(d.glob("*.json")) if d.is_dir() else []:
-        if fmt.is_temp_name(f.name):
-            continue
+    for f in sorted(d.glob("*.json")) if d.is_dir() else []:  # a temp file ends ``.json.tmp.<pid>``: not matched
         try:
             data = json.loads(f.read_text())
             namespaces = data["namespaces"]

@@ -21,7 +21,6 @@ from rich.table import Table
 
 from gdskv import format as fmt
 from gdskv.cli._common import open_existing, print_json, select_namespaces
-from gdskv.keys import store_key
 from gdskv.store import Namespace
 
 
@@ -29,30 +28,21 @@ def check_chunk(ns: Namespace, group: int, path: str) -> Optional[str]:
     """None when the chunk file at ``path`` is sound; otherwise why not (a quarantine reason),
     or ``"gone"`` when it no longer exists."""
     try:
-        with open(path, "rb", buffering=0) as f:
+        with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size < fmt.TRAILER_BYTES:
+            buf = bytearray(size)  # writable, so the CRC32C below reads it in place
+            if size < fmt.TRAILER_BYTES or f.readinto(buf) < size:  # a buffered readinto fills or hits EOF
                 return "truncated"
-            buf = bytearray(size)
-            view = memoryview(buf)
-            got = 0
-            while got < size:
-                n = f.readinto(view[got:])
-                if not n:
-                    return "truncated"
-                got += n
     except FileNotFoundError:
         return "gone"
+    view = memoryview(buf)
     payload = view[: size - fmt.TRAILER_BYTES]
     try:
         t = fmt.unpack(bytes(view[size - fmt.TRAILER_BYTES:]))
     except fmt.ChunkFormatError:
         return "bad-trailer"
-    try:
-        expect = store_key(ns.id, group, t.block_key)
-    except ValueError:
-        return "bad-trailer"
-    if t.layer_group != group or t.store_key != expect or ns.chunk_path(group, t.block_key) != path:
+    # ``unpack`` checked the block key's length, so the store key can be computed
+    if t.layer_group != group or t.store_key != ns.store_key(group, t.block_key) or ns.chunk_path(group, t.block_key) != path:
         return "foreign-key"
     if t.payload_nbytes != payload.nbytes or t.payload_nbytes != ns.spec.group(group).bytes_per_page:
         return "bad-size"
@@ -71,7 +61,7 @@ def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: 
     """Re-check every chunk's checksum and key; exit 1 when any is bad."""
     _, store = open_existing(ctx)
     namespaces = {ns.id: store.namespace(ns.spec) for ns in select_namespaces(store, namespace)}
-    files = [(ns, g, e.path) for ns, g, e in store.iter_chunk_files() if ns.id in namespaces]
+    files = [(ns, g, e.path) for ns, g, e in store.iter_chunk_files(list(namespaces.values()))]
     counts: Counter[str] = Counter()
     bad: list[dict[str, object]] = []
     console = Console(stderr=True)

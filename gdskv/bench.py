@@ -40,8 +40,9 @@ import torch
 from gdskv.config import GdsKvConfig, parse_size
 from gdskv.io import make_engine
 from gdskv.io.base import IoEngine, Segment
-from gdskv.io.posix import PosixEngine, aligned_host_buffer
-from gdskv.store import GroupSpec, NamespaceSpec, PageStore
+from gdskv.io.posix import aligned_host_buffer, move_all
+from gdskv import format as fmt
+from gdskv.store import GroupSpec, Namespace, NamespaceSpec, PageStore
 from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
 
 KINDS = ("save", "load_cold", "load_warm")
@@ -65,17 +66,13 @@ class BenchOptions:
     baselines: bool = True
 
 
-@dataclass
-class _Samples:
-    seconds: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in KINDS})
-
-
 class _Subject:
-    """One way of storing the pages. ``save``/``load`` return once every byte has moved."""
+    """One way of storing the pages. ``measure`` calls ``prepare`` with a fresh directory, then
+    ``save``/``load`` (each returns once every byte has moved), then ``end_round``."""
 
     name: str
 
-    def prepare(self, workdir: Path) -> None:
+    def prepare(self, workdir: Path, num_pages: int, page_bytes: int) -> None:
         self.workdir = workdir
 
     def save(self, pages: torch.Tensor) -> None:
@@ -86,6 +83,9 @@ class _Subject:
 
     def files(self) -> list[str]:
         raise NotImplementedError
+
+    def end_round(self) -> None:
+        """Release what ``prepare`` made beyond the files."""
 
     def close(self) -> None:
         """Release what the subject holds beyond its files (engines, threads)."""
@@ -113,11 +113,8 @@ class RawFile(_Subject):
             page_bytes = pages.shape[1]
             if self.direct:  # O_DIRECT growth without preallocation reads back slower still
                 os.posix_fallocate(fd, 0, pages.shape[0] * page_bytes)
-            for i in range(pages.shape[0]):
-                off = i * page_bytes
-                done = 0
-                while done < page_bytes:
-                    done += os.pwrite(fd, view[off + done:off + page_bytes], off + done)
+            for off in range(0, pages.shape[0] * page_bytes, page_bytes):
+                move_all(os.pwritev, fd, [view[off:off + page_bytes]], off)
         finally:
             os.close(fd)
 
@@ -126,14 +123,9 @@ class RawFile(_Subject):
         try:
             view = memoryview(pages.numpy()).cast("B")
             page_bytes = pages.shape[1]
-            for i in range(pages.shape[0]):
-                off = i * page_bytes
-                done = 0
-                while done < page_bytes:
-                    n = os.preadv(fd, [view[off + done:off + page_bytes]], off + done)
-                    if n == 0:
-                        raise OSError(f"{self.files()[0]}: short read at {off + done}")
-                    done += n
+            for off in range(0, pages.shape[0] * page_bytes, page_bytes):
+                if move_all(os.preadv, fd, [view[off:off + page_bytes]], off) != page_bytes:
+                    raise OSError(f"{self.files()[0]}: short read at {off}")
         finally:
             os.close(fd)
 
@@ -144,8 +136,8 @@ class RawFile(_Subject):
 class _TorchSave(_Subject):
     name = "torch.save"
 
-    def prepare(self, workdir: Path) -> None:
-        super().prepare(workdir)
+    def prepare(self, workdir: Path, num_pages: int, page_bytes: int) -> None:
+        super().prepare(workdir, num_pages, page_bytes)
         self._paths: list[str] = []
 
     def save(self, pages: torch.Tensor) -> None:
@@ -161,71 +153,65 @@ class _TorchSave(_Subject):
         return self._paths
 
 
-class _Store(_Subject):
-    """The gdskv store over one engine, one fresh store per round."""
+class StoreSubject(_Subject):
+    """The gdskv store over one engine (which ``close`` closes), one fresh store per round. The
+    pages may be on any device (``scripts/gpu_check.py`` measures CUDA page pools with it)."""
 
-    def __init__(self, engine_label: str, options: BenchOptions):
+    def __init__(self, engine_label: str, engine: IoEngine, transfer_threads: int = 8):
         self.name = f"store:{engine_label}"
-        self.engine_label = engine_label
-        self.options = options
-        self.engine: Optional[IoEngine] = None
+        self.engine = engine
+        self.transfer_threads = transfer_threads
 
-    def prepare(self, workdir: Path) -> None:
-        super().prepare(workdir)
-        page_bytes = self._page_bytes
-        store = PageStore.open(workdir / "store")
+    def prepare(self, workdir: Path, num_pages: int, page_bytes: int) -> None:
+        super().prepare(workdir, num_pages, page_bytes)
         spec = NamespaceSpec(model="gdskv-bench", dtype="uint8", tokens_per_block=1,
                              groups=(GroupSpec(0, page_bytes, (0,), None),))
-        self.ns = store.namespace(spec)
-        if self.engine is None:
-            self.engine = _make_engine(self.engine_label, self.options, str(workdir / "store"))
-        self.transfer = PageTransfer(self.ns, self.engine, threads=self.options.transfer_threads,
+        self.ns = PageStore.open(workdir / "store").namespace(spec)
+        self.transfer = PageTransfer(self.ns, self.engine, threads=self.transfer_threads,
                                      stats_flush_seconds=3600.0)
-        self.keys = [os.urandom(32) for _ in range(self._num_pages)]
-
-    def configure(self, num_pages: int, page_bytes: int) -> None:
-        self._num_pages, self._page_bytes = num_pages, page_bytes
+        self.keys = [os.urandom(32) for _ in range(num_pages)]
 
     def save(self, pages: torch.Tensor) -> None:
         futures = [self.transfer.save_page(0, key, None, [pages[i]]) for i, key in enumerate(self.keys)]
-        bad = [f.result() for f in futures if f.result() is not SaveStatus.PUBLISHED]
+        bad = [status for status in (f.result() for f in futures) if status is not SaveStatus.PUBLISHED]
         if bad:
             raise RuntimeError(f"{self.name}: {len(bad)} pages not published ({bad[0]})")
 
     def load(self, pages: torch.Tensor) -> None:
         futures = [self.transfer.load_page(0, key, [pages[i]]) for i, key in enumerate(self.keys)]
-        bad = [f.result() for f in futures if f.result() is not LoadStatus.LOADED]
+        bad = [status for status in (f.result() for f in futures) if status is not LoadStatus.LOADED]
         if bad:
             raise RuntimeError(f"{self.name}: {len(bad)} pages not loaded ({bad[0]})")
 
     def files(self) -> list[str]:
         return [self.ns.chunk_path(0, key) for key in self.keys]
 
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-
     def end_round(self) -> None:
         self.transfer.close()
 
+    def close(self) -> None:
+        self.engine.close()
 
-def _make_engine(label: str, options: BenchOptions, store_path: str) -> IoEngine:
-    """The engine as ``make_engine`` builds it from a config (``posix+o_direct`` sets o_direct);
-    ``posix+direct_writes`` is the posix engine with O_DIRECT writes and buffered reads."""
+
+def bench_engine(label: str, options: BenchOptions, store_path: str) -> IoEngine:
+    """The engine of a bench label, as ``make_engine`` builds it from a config: ``posix``
+    (buffered), ``posix+o_direct`` (reads and writes), ``posix+direct_writes`` (O_DIRECT writes,
+    buffered reads), ``kvikio``. Called by ``run`` and ``scripts/gpu_check.py``."""
     name, _, flag = label.partition("+")
-    if label == "posix+direct_writes":
-        return PosixEngine(threads=options.io_threads, o_direct=True, direct_reads=False)
+    o_direct = {"": "off", "o_direct": "all", "direct_writes": "writes"}.get(flag)
+    if o_direct is None:
+        raise ValueError(f"unknown engine label {label!r}")
     cfg = GdsKvConfig(store_path=store_path, engine=name, io_threads=options.io_threads,
-                      o_direct=flag == "o_direct", kvikio_threads=options.kvikio_threads,
+                      o_direct=o_direct, kvikio_threads=options.kvikio_threads,
                       kvikio_task_size=options.kvikio_task_size)
     return make_engine(cfg)
 
 
 def engine_usable(label: str, options: BenchOptions, directory: str) -> Optional[str]:
-    """None when the engine can move a page here; otherwise why not (e.g. kvikio without libcuda)."""
+    """None when the engine of ``label`` can move a page in ``directory``; otherwise why not (e.g.
+    kvikio without libcuda). Called by ``run`` and ``scripts/gpu_check.py`` before they build it."""
     try:
-        engine = _make_engine(label, options, directory)
+        engine = bench_engine(label, options, directory)
     except Exception as exc:  # not installed, bad config: report and leave the engine out
         return str(exc)
     probe = os.path.join(directory, f".probe-{label}")
@@ -265,6 +251,23 @@ def drop_page_cache(paths: Sequence[str]) -> None:
             os.close(fd)
 
 
+def write_chunk(ns: Namespace, group: int, key: bytes, parent: Optional[bytes], payload: bytes,
+                made_dirs: set[str]) -> str:
+    """Write a valid chunk of ``payload`` for ``key`` straight to its path (the file the transfer
+    layer publishes, without its temp file, budget check or thread hop) and return the path.
+    ``made_dirs``: directories already made, kept by the caller. How ``scripts/bench_lookup.py``
+    and ``scripts/bench_eviction.py`` grow stores to a million chunks in minutes."""
+    path = ns.chunk_path(group, key)
+    directory = os.path.dirname(path)
+    if directory not in made_dirs:
+        os.makedirs(directory, exist_ok=True)
+        made_dirs.add(directory)
+    trailer = fmt.pack(fmt.Trailer(group, len(payload), fmt.crc32c(payload), ns.store_key(group, key), key, parent))
+    with open(path, "wb") as f:
+        f.write(payload + trailer)
+    return path
+
+
 def page_pool(num_pages: int, page_bytes: int) -> torch.Tensor:
     """A page-aligned CPU page pool ``[num_pages, page_bytes]``, as a pinned or device pool is
     (torch's own CPU allocations are only 64-byte aligned, which would keep O_DIRECT out)."""
@@ -278,34 +281,48 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def measure(subject: _Subject, source: torch.Tensor, target: torch.Tensor, base: Path) -> dict[str, float]:
+    """Seconds, by kind, of one save of the pages of ``source`` (``[num_pages, page_bytes]``) up
+    to ``syncfs``, one load into ``target`` with the page cache dropped (checked against
+    ``source``) and one warm load, in a fresh directory under ``base`` removed afterwards.
+    Called per subject and round by ``run``, and by ``scripts/gpu_check.py``."""
+    workdir = Path(tempfile.mkdtemp(prefix="round-", dir=base))
+    subject.prepare(workdir, source.shape[0], source.shape[1])
+    try:
+        sync_directory_fs(workdir)  # earlier dirty pages are not this save's cost
+        secs = {"save": _timed(lambda: (subject.save(source), sync_directory_fs(workdir)))}
+        drop_page_cache(subject.files())
+        target.zero_()
+        secs["load_cold"] = _timed(lambda: subject.load(target))
+        if not torch.equal(target, source):
+            raise RuntimeError(f"{subject.name}: pages read back differ from the pages saved")
+        secs["load_warm"] = _timed(lambda: subject.load(target))
+        return secs
+    finally:
+        subject.end_round()
+        shutil.rmtree(workdir)
+
+
+def rates(nbytes: int, secs: dict[str, float]) -> str:
+    """``save 1.23, load_cold 1.50, load_warm 6.01 GB/s`` for ``nbytes`` moved in ``secs``."""
+    return ", ".join(f"{k} {nbytes / secs[k] / 1e9:.2f}" for k in KINDS) + " GB/s"
+
+
 def _measure_page_size(page_bytes: int, subjects: list[_Subject], options: BenchOptions,
-                       base: Path, log: Callable[[str], None]) -> dict[str, _Samples]:
+                       base: Path, log: Callable[[str], None]) -> dict[str, dict[str, list[float]]]:
     num_pages = max(1, options.total_bytes // page_bytes)
     source, target = page_pool(num_pages, page_bytes), page_pool(num_pages, page_bytes)
     source.copy_(torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8,
                                generator=torch.Generator().manual_seed(page_bytes)))
-    samples = {s.name: _Samples() for s in subjects}
+    samples = {s.name: {k: [] for k in KINDS} for s in subjects}
     for rnd in range(options.rounds):
         order = subjects[rnd % len(subjects):] + subjects[:rnd % len(subjects)]
         for subject in order:
-            workdir = Path(tempfile.mkdtemp(prefix="round-", dir=base))
-            if isinstance(subject, _Store):
-                subject.configure(num_pages, page_bytes)
-            subject.prepare(workdir)
-            sync_directory_fs(workdir)  # earlier rounds' dirty pages are not this save's cost
-            secs = samples[subject.name].seconds
-            secs["save"].append(_timed(lambda: (subject.save(source), sync_directory_fs(workdir))))
-            drop_page_cache(subject.files())
-            target.zero_()
-            secs["load_cold"].append(_timed(lambda: subject.load(target)))
-            if not torch.equal(target, source):
-                raise RuntimeError(f"{subject.name}: pages read back differ from the pages saved")
-            secs["load_warm"].append(_timed(lambda: subject.load(target)))
-            if isinstance(subject, _Store):
-                subject.end_round()
-            shutil.rmtree(workdir)
+            secs = measure(subject, source, target, base)
+            for kind in KINDS:
+                samples[subject.name][kind].append(secs[kind])
             log(f"  {page_bytes >> 20} MiB pages, round {rnd + 1}/{options.rounds}, {subject.name}: "
-                + ", ".join(f"{k} {num_pages * page_bytes / secs[k][-1] / 1e9:.2f} GB/s" for k in KINDS))
+                + rates(num_pages * page_bytes, secs))
     return samples
 
 
@@ -320,7 +337,7 @@ def run(options: BenchOptions, log: Callable[[str], None] = lambda line: None) -
         for label in options.engines:
             why = engine_usable(label, options, str(base))
             if why is None:
-                subjects.append(_Store(label, options))
+                subjects.append(StoreSubject(label, bench_engine(label, options, str(base)), options.transfer_threads))
             else:
                 report["skipped_engines"][label] = why
                 log(f"engine {label} left out: {why}")
@@ -330,8 +347,8 @@ def run(options: BenchOptions, log: Callable[[str], None] = lambda line: None) -
             for name, s in samples.items():
                 row: dict[str, Any] = {"page_bytes": page_bytes, "subject": name, "bytes": moved}
                 for kind in KINDS:
-                    row[f"{kind}_gbps"] = moved / statistics.median(s.seconds[kind]) / 1e9
-                    row[f"{kind}_gbps_rounds"] = [moved / t / 1e9 for t in s.seconds[kind]]
+                    row[f"{kind}_gbps"] = moved / statistics.median(s[kind]) / 1e9
+                    row[f"{kind}_gbps_rounds"] = [moved / t / 1e9 for t in s[kind]]
                 report["results"].append(row)
             _add_ratios(report, page_bytes)
     finally:

@@ -1,4 +1,5 @@
-"""Capacity-bounded, prefix-aware, recency-based eviction (docs/eviction.md is the prose version).
+"""Capacity-bounded, prefix-aware, recency-based eviction (FORMAT.md, "Capacity, recency and eviction",
+is the prose version).
 
 Three layers, each usable on its own:
 
@@ -27,7 +28,6 @@ connectors and the demo (``install_budget`` at bring-up), ``PageTransfer`` (the 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import secrets
@@ -59,7 +59,7 @@ INFLIGHT_TTL_S = 60.0
 # --- plain data --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ArrayRef:
-    """One layer group's array of one namespace, and its directory."""
+    """One layer group's array of one namespace, and its directory (a ``ChunkTable`` row's array)."""
 
     ns_id: str
     group: int
@@ -67,7 +67,7 @@ class ArrayRef:
 
     def chunk_file(self, index: int) -> str:
         """Path of the chunk file with chunk index ``index`` (``(hi << 50) | lo``)."""
-        return f"{self.path}/c/{index >> fmt.LO_BITS}/0/{index & ((1 << fmt.LO_BITS) - 1)}"
+        return f"{self.path}/{fmt.index_relpath(index >> fmt.LO_BITS, index & ((1 << fmt.LO_BITS) - 1))}"
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,8 @@ class ChunkTable:
         return self.arrays[int(self.array[row])].chunk_file(int(self.index[row]))
 
     def rows_of(self, paths: Iterable[str]) -> np.ndarray:
-        """Rows of the chunk files named by ``paths`` (unknown paths are ignored)."""
+        """Rows of the chunk files named by ``paths`` (unknown paths are ignored). Called by
+        ``Budget.admit`` to turn its pins into rows the policy leaves alone."""
         where = {a.path: i for i, a in enumerate(self.arrays)}
         wanted: dict[int, list[int]] = {}
         for p in paths:
@@ -180,8 +181,8 @@ def effective_recency(parent: np.ndarray, mtime_ns: np.ndarray, pinned: Optional
         eff[pinned] = _PINNED
     if depth.size:
         by_depth = np.argsort(-depth, kind="stable")
-        bounds = np.searchsorted(-depth[by_depth], np.arange(-int(depth.max()), 0), side="left")
-        bounds = np.append(bounds, np.searchsorted(-depth[by_depth], 0, side="left"))
+        # row ranges of depth max, max-1, ..., 1 (roots, depth 0, have no parent to update)
+        bounds = np.searchsorted(-depth[by_depth], np.arange(-int(depth.max()), 1), side="left")
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             rows = by_depth[lo:hi]
             np.maximum.at(eff, parent[rows], eff[rows])
@@ -241,9 +242,18 @@ class Limits:
     min_free_bytes: Optional[int] = None
     min_free_percent: Optional[float] = None
 
+    @classmethod
+    def of(cls, cfg: GdsKvConfig) -> "Limits":
+        """The limits gdskv's config sets (``install_budget``, ``gdskv info`` / ``evict``)."""
+        return cls(cfg.max_bytes, cfg.min_free_bytes, cfg.min_free_percent)
+
+    @property
+    def has_floor(self) -> bool:
+        return self.min_free_bytes is not None or self.min_free_percent is not None
+
     @property
     def active(self) -> bool:
-        return any(v is not None for v in (self.max_bytes, self.min_free_bytes, self.min_free_percent))
+        return self.max_bytes is not None or self.has_floor
 
     def floor_bytes(self, fs_total: int) -> int:
         """Bytes that must stay free on the file system."""
@@ -258,7 +268,7 @@ def shortfall(limits: Limits, used: int, fs_total: int, fs_free: int, incoming: 
     need = 0
     if limits.max_bytes is not None:
         need = used + incoming - limits.max_bytes
-    if limits.min_free_bytes is not None or limits.min_free_percent is not None:
+    if limits.has_floor:
         need = max(need, limits.floor_bytes(fs_total) - (fs_free - incoming))
     return max(need, 0)
 
@@ -279,7 +289,9 @@ def chunk_index_of(ns_id: str, group: int, key: bytes) -> int:
 
 
 def _walk_array(cdir: str) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(index, inode, size, mtime_ns) of every published chunk file under an array's ``c/``."""
+    """(index, inode, size, mtime_ns) of every published chunk file under an array's ``c/``.
+    Called by ``scan_store`` per array; a directory or file removed meanwhile (``gc``, another
+    process's eviction) is skipped, so a scan on a transfer thread never raises for it."""
     idx: list[int] = []
     ino: list[int] = []
     size: list[int] = []
@@ -312,20 +324,23 @@ def _walk_array(cdir: str) -> tuple[list[int], list[int], list[int], list[int]]:
     return idx, ino, size, mtime
 
 
+def read_trailer(path: str) -> Optional[fmt.Trailer]:
+    """The trailer of the chunk file at ``path``, or None when it is gone or does not parse.
+    Called by the index (a chunk's parent) and by ``gdskv ls`` (its keys)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(-fmt.TRAILER_BYTES, os.SEEK_END)
+            return fmt.unpack(f.read(fmt.TRAILER_BYTES))
+    except (OSError, fmt.ChunkFormatError):
+        return None
+
+
 def _read_parent(ref: ArrayRef, index: int) -> int:
     """Parent chunk index from the chunk's trailer (``NO_PARENT`` for a root or a bad trailer)."""
-    try:
-        with open(ref.chunk_file(index), "rb") as f:
-            f.seek(-fmt.TRAILER_BYTES, os.SEEK_END)
-            t = fmt.unpack(f.read(fmt.TRAILER_BYTES))
-    except (OSError, fmt.ChunkFormatError):
+    t = read_trailer(ref.chunk_file(index))
+    if t is None or t.parent_key is None or t.layer_group != ref.group:
         return int(NO_PARENT)
-    if t.parent_key is None or t.layer_group != ref.group:
-        return int(NO_PARENT)
-    try:
-        return chunk_index_of(ref.ns_id, ref.group, t.parent_key)
-    except ValueError:
-        return int(NO_PARENT)
+    return chunk_index_of(ref.ns_id, ref.group, t.parent_key)  # ``unpack`` checked the key's length
 
 
 def _cache_path(store: PageStore, ref: ArrayRef) -> str:
@@ -347,10 +362,8 @@ def _save_cache(path: str, arr: np.ndarray) -> None:
     tmp = f"{path}{fmt.TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}"
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        buf = io.BytesIO()
-        np.save(buf, arr, allow_pickle=False)
         with open(tmp, "wb") as f:
-            f.write(buf.getbuffer())
+            np.save(f, arr, allow_pickle=False)
         os.replace(tmp, path)
     except OSError as e:
         log.warning("gdskv: could not write eviction index %s: %s", path, e)
@@ -463,15 +476,16 @@ def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
     specs = {ns.id: ns.spec for ns in store.namespaces()}
     namespaces: dict[str, Namespace] = {}
     for row in (int(r) for r in rows):
-        ref = table.arrays[int(table.array[row])]
-        path = ref.chunk_file(int(table.index[row]))
-        nbytes = int(table.nbytes[row])
         if row in keep:
             out.skipped_pinned += 1
             continue
-        with lock if lock is not None else contextlib.nullcontext():
-            pinned = is_pinned(path)
-            if not pinned:
+        ref = table.arrays[int(table.array[row])]
+        path = ref.chunk_file(int(table.index[row]))
+        nbytes = int(table.nbytes[row])
+        with lock or contextlib.nullcontext():
+            if is_pinned(path):
+                status = "pinned"
+            else:
                 try:
                     os.unlink(path)
                     status = "removed"
@@ -480,7 +494,7 @@ def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
                 except OSError as e:
                     log.warning("gdskv: could not evict %s: %s", path, e)
                     status = "failed"
-        if pinned:
+        if status == "pinned":
             out.skipped_pinned += 1
             up = int(table.parent[row])
             while up >= 0 and up not in keep:
@@ -496,7 +510,7 @@ def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
             out.removed_bytes += nbytes
             out.freed_bytes += nbytes
             if ref.ns_id in specs:
-                if ref.ns_id not in namespaces:
+                if ref.ns_id not in namespaces:  # registered, so ``flush_stats`` writes its counts
                     namespaces[ref.ns_id] = store.namespace(specs[ref.ns_id])
                 namespaces[ref.ns_id].counters.add("evicted")
                 namespaces[ref.ns_id].counters.add("evicted_bytes", nbytes)
@@ -509,7 +523,7 @@ DiskUsage = Callable[[str], tuple[int, int]]
 
 def disk_usage(path: str) -> tuple[int, int]:
     """``(size, free bytes)`` of the file system holding ``path`` (free: what a non-root user
-    can still write)."""
+    can still write). ``Budget``'s default probe; also used by ``gdskv info`` / ``evict``."""
     u = shutil.disk_usage(path)
     return u.total, u.free
 
@@ -623,7 +637,8 @@ class Budget:
 
     # internals --------------------------------------------------------------------------------
     def refresh(self) -> ChunkTable:
-        """Rescan the store: the byte count, and the table the policy ranks."""
+        """Rescan the store: the byte count, and the table the policy ranks. Called by ``admit``
+        (when the estimate is stale or a save does not fit) and once by ``install_budget``."""
         with self._state:
             known = {k: dict(v) for k, v in self._known.items()}
             self._scanning, self._published_while_scanning = True, 0
@@ -642,8 +657,7 @@ class Budget:
         return table
 
     def _need(self, nbytes: int) -> int:
-        has_floor = self.limits.min_free_bytes is not None or self.limits.min_free_percent is not None
-        total, free = self.disk_usage(str(self.store.root)) if has_floor else (0, 0)
+        total, free = self.disk_usage(str(self.store.root)) if self.limits.has_floor else (0, 0)
         # saves in flight count as written, against the budget and against free space
         return shortfall(self.limits, (self._used or 0) + self._inflight_bytes, total, free - self._inflight_bytes, nbytes)
 
@@ -667,7 +681,7 @@ def install_budget(store: PageStore, cfg: GdsKvConfig) -> Optional[Budget]:
 
     Called once at bring-up by the connectors and the demo, right after ``PageStore.open``.
     """
-    limits = Limits(cfg.max_bytes, cfg.min_free_bytes, cfg.min_free_percent)
+    limits = Limits.of(cfg)
     if not limits.active:
         return None
     if isinstance(store.budget, Budget) and store.budget.limits == limits:

@@ -177,7 +177,11 @@ def chunk_index(store_key: bytes) -> tuple[int, int]:
 
 def chunk_relpath(store_key: bytes) -> str:
     """Path of the chunk file relative to its array directory."""
-    hi, lo = chunk_index(store_key)
+    return index_relpath(*chunk_index(store_key))
+
+
+def index_relpath(hi: int, lo: int) -> str:
+    """Path, relative to its array directory, of the chunk at ``(hi, :, lo)``."""
     return f"c/{hi}/0/{lo}"
 
 

@@ -248,6 +248,11 @@ class RequestState:
     def parent_of(self, ordinal: int) -> Optional[bytes]:
         return self.keys[ordinal - 1] if ordinal > 0 else None
 
+    def op(self, layer_group_id: int, ordinal: int) -> PageOp:
+        """The transfer of block ``ordinal`` in a layer group: its page there, its key, its parent's
+        key. Only for ordinals with a page (``ordinal in self.pages[layer_group_id]``)."""
+        return PageOp(layer_group_id, self.pages[layer_group_id][ordinal], self.keys[ordinal], self.parent_of(ordinal))
+
     # -- pages ---------------------------------------------------------------------------------
     def apply_pages(self, layer_group_id: int, first_ordinal: int, page_indices: Sequence[int]) -> None:
         """Record ``page_indices[i]`` as the page of ordinal ``first_ordinal + i`` in a group.
@@ -313,11 +318,20 @@ def new_request(
     num_groups: int,
     lookup: Optional[Lookup] = None,
 ) -> RequestState:
-    """Fresh state for a request (at its lookup, or at a first report without one)."""
+    """Fresh state for a request (at its lookup, or at a first report without one).
+
+    ``lookup`` is ``plan_lookup``'s answer for these ``tokens`` and ``cache_salt``: its keys are
+    taken as they are, so the prompt is hashed once per lookup, not twice.
+    """
     state = RequestState(request_id, tokens_per_block, num_groups, cache_salt)
+    if lookup is not None:
+        blocks = len(tokens) // tokens_per_block
+        if len(lookup.keys) != blocks:
+            raise ValueError(f"request {request_id}: the lookup keyed {len(lookup.keys)} blocks, the tokens have {blocks}")
+        state.keys = list(lookup.keys)
+        if lookup.end_block > lookup.first_block:
+            state.promised = (lookup.first_block, lookup.end_block)
     state.set_tokens(tokens)
-    if lookup is not None and lookup.end_block > lookup.first_block:
-        state.promised = (lookup.first_block, lookup.end_block)
     return state
 
 
@@ -353,23 +367,21 @@ def plan_step(
         state.adopt_salt(report.cache_salt)
     end = min(report.computed_position + report.num_scheduled_tokens, len(state.tokens))
     state.kv_end = end
-    saves = _plan_saves(state, end // tpb, [first_live_block(end, w, tpb) for w in windows], stored)
-    for g, w in enumerate(windows):
-        if w is not None:
-            state.forget_before(g, first_live_block(end, w, tpb))
+    live_from = [first_live_block(end, w, tpb) for w in windows]
+    saves = _plan_saves(state, end // tpb, live_from, stored)
+    for g, first_live in enumerate(live_from):
+        if first_live:  # 0 for full attention: nothing to forget
+            state.forget_before(g, first_live)
     return RequestPlan(report.request_id, loads, saves)
 
 
 def _plan_loads(state: RequestState) -> dict[int, tuple[PageOp, ...]]:
     """Loads of the promised blocks into the pages known now, per group; blocks a group has no
-    page for are not needed by the engine there. Marks the promised blocks decided (not saved)."""
+    page for are not needed by the engine there. (``_plan_saves`` never saves a promised block.)"""
     first, end = state.promised
     loads = {}
     for g in range(state.num_groups):
-        ops = tuple(
-            PageOp(g, state.pages[g][o], state.keys[o], state.parent_of(o))
-            for o in range(first, end) if o in state.pages[g]
-        )
+        ops = tuple(state.op(g, o) for o in range(first, end) if o in state.pages[g])
         if ops:
             loads[g] = ops
     return loads
@@ -391,10 +403,7 @@ def _plan_saves(state: RequestState, complete: int, live_from: Sequence[int], st
         if not candidates:
             continue
         present = stored(g, [state.keys[o] for o in candidates])
-        ops = tuple(
-            PageOp(g, state.pages[g][o], state.keys[o], state.parent_of(o))
-            for o, there in zip(candidates, present) if not there
-        )
+        ops = tuple(state.op(g, o) for o, there in zip(candidates, present) if not there)
         if ops:
             saves[g] = ops
             state.saves_planned += len(ops)

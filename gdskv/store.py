@@ -317,20 +317,23 @@ class PageStore:
         except OSError as e:  # a full disk must not break serving
             log.warning("gdskv: could not write stats to %s: %s", d, e)
 
-    def iter_chunk_files(self) -> Iterator[tuple[Namespace, int, os.DirEntry]]:
-        """Every published chunk file: ``(namespace, group, entry)``. Skips temp files."""
-        for ns in self.namespaces():
+    def iter_chunk_files(self, namespaces: Optional[Sequence[Namespace]] = None) -> Iterator[tuple[Namespace, int, os.DirEntry]]:
+        """Every published chunk file (of ``namespaces``, default all): ``(namespace, group,
+        entry)``. Skips temp files; a directory removed meanwhile (eviction, gc) is skipped too.
+        Called by ``gdskv verify`` and tests."""
+        for ns in self.namespaces() if namespaces is None else namespaces:
             for g in ns.spec.groups:
-                cdir = ns.array_path(g.layer_group_id) / "c"
-                if not cdir.is_dir():
-                    continue
-                for hi in os.scandir(cdir):
-                    sub = os.path.join(hi.path, "0")
-                    if not os.path.isdir(sub):
-                        continue
-                    for e in os.scandir(sub):
+                for hi in _scandir_or_empty(str(ns.array_path(g.layer_group_id) / "c")):
+                    for e in _scandir_or_empty(os.path.join(hi.path, "0")):
                         if e.is_file(follow_symlinks=False) and not fmt.is_temp_name(e.name):
                             yield ns, g.layer_group_id, e
+
+
+def _scandir_or_empty(path: str) -> list[os.DirEntry]:
+    try:
+        return list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def is_store(root: Path) -> bool:

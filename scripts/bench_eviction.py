@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from gdskv import eviction as ev
-from gdskv import format as fmt
+from gdskv.bench import write_chunk
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
 
 PAGE_BYTES = 16
@@ -34,20 +34,12 @@ def grow(store: PageStore, ns_spec: NamespaceSpec, start: int, stop: int, chain:
     """Write chunks ``start..stop-1`` (block ``i`` is the child of ``i-1`` unless it starts a chain)."""
     ns = store.namespace(ns_spec)
     payload = bytes(PAGE_BYTES)
-    crc = fmt.crc32c(bytearray(payload))
     made: set[str] = set()
     t0 = time.time_ns() - 10**12
     for i in range(start, stop):
         key = hashlib.sha256(i.to_bytes(8, "little")).digest()
         parent = None if i % chain == 0 else hashlib.sha256((i - 1).to_bytes(8, "little")).digest()
-        path = ns.chunk_path(0, key)
-        d = os.path.dirname(path)
-        if d not in made:
-            os.makedirs(d, exist_ok=True)
-            made.add(d)
-        trailer = fmt.pack(fmt.Trailer(0, PAGE_BYTES, crc, ns.store_key(0, key), key, parent))
-        with open(path, "wb") as f:
-            f.write(payload + trailer)
+        path = write_chunk(ns, 0, key, parent, payload, made)
         stamp = t0 + (i * 7919 % stop) * 1000  # scattered last-use times
         os.utime(path, ns=(stamp, stamp))
 

@@ -6,15 +6,14 @@
 Grows one namespace (64-byte pages: lookup cost does not depend on page size) to 10k, 100k, ...
 chunks, up to ``--max`` (``--max 1000000`` for the full run, a few minutes and ~1M inodes), and at
 each size times ``contains_many`` for batches of keys that are all present, all absent, and half
-and half. Chunk files are written directly with ``gdskv.format`` (payload + trailer, the layout the
-transfer layer publishes), which is much faster than going through the save path. Metadata is warm
+and half. Chunk files are written directly (``gdskv.bench.write_chunk``: payload + trailer, the
+file the transfer layer publishes), which is much faster than going through the save path. Metadata is warm
 (dentries and inodes cached), as in a serving process that looks up the same store continually.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
@@ -26,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdskv import format as fmt  # noqa: E402
+from gdskv.bench import write_chunk  # noqa: E402
 from gdskv.store import GroupSpec, Namespace, NamespaceSpec, PageStore  # noqa: E402
 
 PAGE_BYTES = 64
@@ -34,21 +33,10 @@ GROUP = 0
 
 
 def grow(ns: Namespace, keys: list[bytes], made_dirs: set[str]) -> None:
-    """Publish a valid chunk for each key (payload of zeros, trailer with its checksum)."""
+    """Publish a valid chunk (a payload of zeros) for each key."""
     payload = bytes(PAGE_BYTES)
-    crc = fmt.crc32c(payload)
     for key in keys:
-        path = ns.chunk_path(GROUP, key)
-        parent = os.path.dirname(path)
-        if parent not in made_dirs:
-            os.makedirs(parent, exist_ok=True)
-            made_dirs.add(parent)
-        trailer = fmt.pack(fmt.Trailer(GROUP, PAGE_BYTES, crc, ns.store_key(GROUP, key), key, None))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, payload + trailer)
-        finally:
-            os.close(fd)
+        write_chunk(ns, GROUP, key, None, payload, made_dirs)
 
 
 def time_lookup(ns: Namespace, keys: list[bytes], expect_hits: int, repeats: int) -> float:

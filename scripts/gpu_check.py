@@ -6,12 +6,13 @@
 1. platform: CUDA device, driver, kvikio, compat mode, whether GDS is active;
 2. kvikio engine with CUDA tensors (GDS where present, kvikio's bounce buffers otherwise):
    round trips of odd, 1 MiB and 4 MiB pages plus a host trailer, bf16 included;
-3. posix engine with CUDA tensors (pinned bounce buffers), buffered and O_DIRECT;
+3. posix engine with CUDA tensors (pinned bounce buffers): buffered, O_DIRECT writes (the
+   default config), O_DIRECT reads and writes;
 4. the store: ``PageTransfer.save_page`` / ``load_page`` from and into CUDA page slots of a
    ``single_pool_layout``, verified against the original pages; a flipped byte is a miss;
-5. a short bench per engine on CUDA page slots: save (to the device, ``syncfs``), cold load
-   (page cache dropped), warm load, next to raw sequential ``pwrite``/``pread`` of the same bytes
-   from pinned host memory.
+5. a short bench per engine on CUDA page slots (``gdskv.bench.measure``: save to the device,
+   ``syncfs``; cold load, page cache dropped; warm load), next to raw sequential
+   ``pwrite``/``pread`` of the same bytes from page-aligned host memory.
 
 On a machine without CUDA it says so and exits 0. Exits 1 if any check fails.
 """
@@ -22,7 +23,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from gdskv import bench  # noqa: E402
-from gdskv.config import GdsKvConfig, parse_size  # noqa: E402
-from gdskv.io import make_engine  # noqa: E402
+from gdskv.config import parse_size  # noqa: E402
 from gdskv.io.base import IoEngine, Segment  # noqa: E402
 from gdskv.io.capabilities import cuda_driver_present, kvikio_available  # noqa: E402
 from gdskv.layout import single_pool_layout  # noqa: E402
@@ -44,18 +43,19 @@ KiB, MiB = 1 << 10, 1 << 20
 DEVICE = "cuda"  # --device cpu runs the same checks on host memory (a dry run of this script)
 
 
+ENGINE_LABELS = ("posix", "posix+direct_writes", "posix+o_direct", "kvikio")  # see gdskv.bench.bench_engine
+
+
 def engines(workdir: Path) -> dict[str, IoEngine]:
-    """Every engine this machine can build, by label, as ``make_engine`` builds them."""
+    """Every engine of ``ENGINE_LABELS`` this machine can build, by label."""
     made: dict[str, IoEngine] = {}
-    for label, kwargs in (("posix", {"engine": "posix"}),
-                          ("posix+o_direct", {"engine": "posix", "o_direct": True}),
-                          ("kvikio", {"engine": "kvikio"})):
-        cfg = GdsKvConfig(store_path=str(workdir / "store"), **kwargs)
-        why = bench.engine_usable(label, bench.BenchOptions(), str(workdir))
+    options = bench.BenchOptions()
+    for label in ENGINE_LABELS:
+        why = bench.engine_usable(label, options, str(workdir))
         if why is not None:
             print(f"  {label}: left out ({why})")
             continue
-        made[label] = make_engine(cfg)
+        made[label] = bench.bench_engine(label, options, str(workdir))
     return made
 
 
@@ -122,60 +122,22 @@ def check_store(label: str, engine: IoEngine, workdir: Path) -> None:
 
 
 def short_bench(label: str, engine: IoEngine, workdir: Path, total: int, page_bytes: int) -> str:
+    """The store over ``engine`` moving pages of a ``DEVICE`` page pool (engine left open)."""
     num_pages = max(1, total // page_bytes)
     pool = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8, device=DEVICE)
-    target = torch.empty_like(pool)
-    root = workdir / f"bench-{label}"
-    ns = PageStore.open(root).namespace(NamespaceSpec.from_layout(
-        single_pool_layout(pool.view(num_pages, 1, 1, page_bytes), tokens_per_block=1), model="gpu-bench"))
-    transfer = PageTransfer(ns, engine, stats_flush_seconds=3600.0)
-    keys = [os.urandom(32) for _ in range(num_pages)]
-
-    def save() -> None:
-        assert all(f.result() is SaveStatus.PUBLISHED
-                   for f in [transfer.save_page(0, k, None, [pool[i]]) for i, k in enumerate(keys)])
-        bench.sync_directory_fs(root)
-
-    def load() -> None:
-        assert all(f.result() is LoadStatus.LOADED
-                   for f in [transfer.load_page(0, k, [target[i]]) for i, k in enumerate(keys)])
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-
-    bench.sync_directory_fs(root)
-    t_save = _timed(save)
-    bench.drop_page_cache([ns.chunk_path(0, k) for k in keys])
-    t_cold = _timed(load)
-    t_warm = _timed(load)
-    assert torch.equal(target, pool), f"{label}: bench pages differ"
-    transfer.close()
-    moved = num_pages * page_bytes
-    return (f"save {moved / t_save / 1e9:5.2f}  cold load {moved / t_cold / 1e9:5.2f}  "
-            f"warm load {moved / t_warm / 1e9:5.2f} GB/s")
+    secs = bench.measure(bench.StoreSubject(label, engine), pool, torch.empty_like(pool), workdir)
+    return bench.rates(num_pages * page_bytes, secs)
 
 
 def raw_baseline(workdir: Path, total: int, page_bytes: int) -> str:
+    """``gdskv.bench``'s raw subjects (one file, buffered and O_DIRECT writes) on host pools."""
     num_pages = max(1, total // page_bytes)
-    host = bench.page_pool(num_pages, page_bytes)
-    host.copy_(torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8))
-    lines = []
-    for raw in (bench.RawFile(), bench.RawFile(direct=True)):
-        raw.prepare(workdir)
-        t_save = _timed(lambda: (raw.save(host), bench.sync_directory_fs(workdir)))
-        bench.drop_page_cache(raw.files())
-        t_cold = _timed(lambda: raw.load(host))
-        t_warm = _timed(lambda: raw.load(host))
-        os.unlink(raw.files()[0])
-        moved = num_pages * page_bytes
-        lines.append(f"{raw.name:<13} save {moved / t_save / 1e9:5.2f}  cold load {moved / t_cold / 1e9:5.2f}  "
-                     f"warm load {moved / t_warm / 1e9:5.2f} GB/s  (host memory, one file)")
-    return "\n  ".join(lines)
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    source, target = bench.page_pool(num_pages, page_bytes), bench.page_pool(num_pages, page_bytes)
+    source.copy_(torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8))
+    return "\n  ".join(
+        f"{raw.name:<13} {bench.rates(num_pages * page_bytes, bench.measure(raw, source, target, workdir))}"
+        "  (host memory, one file)"
+        for raw in (bench.RawFile(), bench.RawFile(direct=True)))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

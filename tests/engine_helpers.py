@@ -18,6 +18,7 @@ from gdskv.engine import EngineConfig, ModelConfig, SchedulerOutput
 from gdskv.engine.pool import POISON_BYTE, layer_groups_of
 from gdskv.keys import chain_keys
 from gdskv.layout import KvCacheLayout, single_pool_layout, valid_page_slots
+from gdskv.transfer import page_segments
 
 Call = tuple  # (who, method, *details): who is "scheduler" or "worker<rank>"
 
@@ -155,7 +156,7 @@ class _WorkerCore:
             self.get_load_failures = None  # type: ignore[assignment]
 
     def _segments(self, group: int, slot: int) -> list[torch.Tensor]:
-        return [region.slot_tensor(slot) for region in self.layout.group(group).regions]
+        return page_segments(self.layout.group(group), slot)
 
     def bind_connector_meta(self, meta: MemoryMeta) -> None:
         self.calls.append((self.who, "bind_connector_meta"))

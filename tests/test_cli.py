@@ -38,14 +38,12 @@ def build_store(root: Path, chains: list[list[int]], groups: int = 2, model: str
     ns = store.namespace(NamespaceSpec(model, "uint8", TPB, tuple(GroupSpec(g, PAGE, (g,)) for g in range(groups))))
     engine = PosixEngine(threads=2)
     xfer = PageTransfer(ns, engine, threads=2)
-    futs = []
     for toks in chains:
         keys = chain_keys(toks, TPB)
         for g in range(groups):
             for i, k in enumerate(keys):
                 page = torch.full((PAGE,), (i * 7 + g) % 251, dtype=torch.uint8)
-                futs.append(xfer.save_page(g, k, keys[i - 1] if i else None, [page]))
-                futs[-1].result()
+                xfer.save_page(g, k, keys[i - 1] if i else None, [page]).result()
     xfer.close()
     engine.close()
     return ns
@@ -295,6 +293,22 @@ def test_prewarm_reference(tmp_path: Path) -> None:
     assert run(root, "verify").exit_code == 0
 
 
+def test_store_delta_scans_the_store_once_per_prompt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TensorRT-LLM / MAX runners measure what a prompt added on the store; the scan after
+    one prompt is the scan before the next."""
+    from gdskv.cli.prewarm import _StoreDelta
+    from gdskv.config import GdsKvConfig
+
+    root = tmp_path / "store"
+    delta = _StoreDelta(GdsKvConfig(store_path=str(root)))
+    scans, measure = [], delta._measure
+    monkeypatch.setattr(delta, "_measure", lambda: scans.append(1) or measure())
+    out = delta.around(lambda: build_store(root, _chains(1, 3)))
+    assert (out.blocks_written, out.bytes_written) == (6, 6 * CHUNK)  # 3 blocks in 2 groups
+    out = delta.around(lambda: None)
+    assert (out.blocks_written, out.bytes_written) == (0, 0) and len(scans) == 3
+
+
 def test_prewarm_usage(tmp_path: Path) -> None:
     root = tmp_path / "store"
     bad = tmp_path / "p.csv"
@@ -405,7 +419,7 @@ def test_bring_up_cleans_a_dead_writers_temp_file_in_the_background(tmp_path):
 
     store = PageStore.open(tmp_path / "s")
     ns = store.namespace(NamespaceSpec("m", "float16", 4, (GroupSpec(0, 64, (0,)),)))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    dead = _dead_pid()
     leftover = Path(ns.chunk_path(0, b"k" * 32) + f".tmp.{dead}.abcd1234")
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"torn")

@@ -351,6 +351,7 @@ def test_property_real_store(ops: list[tuple], budget_chunks: int) -> None:
 
 def test_concurrent_saves_stay_within_budget(tmp_path: Path) -> None:
     r = _Rig(tmp_path / "s")
+    r.xfer.close()
     r.xfer = PageTransfer(r.ns, r.engine, threads=8)
     install_budget(r.store, GdsKvConfig(store_path=str(r.store.root), max_bytes=12 * CHUNK))
     futs = []

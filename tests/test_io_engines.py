@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from concurrent.futures import Future
 from pathlib import Path
@@ -228,16 +229,12 @@ def test_store_bench_runs_and_reports_ratios(driver: str, tmp_path: Path) -> Non
     assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself
 
 
-def test_posix_o_direct_works_on_tmpfs(tmp_path):
+def test_posix_o_direct_works_on_tmpfs() -> None:
     """Older kernels' tmpfs refuses O_DIRECT with EINVAL; the engine must keep working there
     (buffered, after one warning), and where tmpfs accepts O_DIRECT, directly."""
     shm = Path("/dev/shm")
     if not shm.is_dir() or not os.access(shm, os.W_OK):
         pytest.skip("no writable /dev/shm (tmpfs) here")
-    import tempfile
-
-    from gdskv.io.posix import PosixEngine
-
     with tempfile.TemporaryDirectory(dir=shm) as d:
         engine = PosixEngine(o_direct=True)
         src = torch.arange(8192, dtype=torch.int32).view(torch.uint8)[:16384]

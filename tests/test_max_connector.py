@@ -294,19 +294,21 @@ def test_posting_failures(store_path):
 
 
 class GatedEngine(PosixEngine):
-    """A POSIX engine whose reads and writes wait for ``gate``: a slow disk, made visible."""
+    """A POSIX engine whose reads and writes wait for ``gate``: a slow disk, made visible.
+    Gates ``read_now``/``write_now``, the calls the transfer layer makes (``read``/``write``
+    run them too)."""
 
     def __init__(self) -> None:
         super().__init__(threads=4)
         self.gate = threading.Event()
 
-    def _read(self, path, segments):
+    def read_now(self, path, segments):
         self.gate.wait(10)
-        return super()._read(path, segments)
+        return super().read_now(path, segments)
 
-    def _write(self, path, segments):
+    def write_now(self, path, segments):
         self.gate.wait(10)
-        return super()._write(path, segments)
+        return super().write_now(path, segments)
 
 
 def test_transfers_are_asynchronous_and_publish_only_when_written(store_path):
@@ -393,7 +395,8 @@ def test_presence_needs_every_tp_shard(store_path):
 
 
 def test_replicated_leaf_is_stored_once_and_loaded_into_every_shard(store_path):
-    """A replicated (MLA) leaf's identical shards are stored once and broadcast back on load."""
+    """A replicated (MLA) leaf's identical shards are stored once, read once and broadcast
+    back into every shard on load."""
     r = Rig(store_path, tp=2, replicated=True)
     try:
         r.offload({"full": [3]}, [h8(3)])
@@ -403,6 +406,8 @@ def test_replicated_leaf_is_stored_once_and_loaded_into_every_shard(store_path):
         assert poll(r.conn.load({"full": [9]}, {"full": [h8(3)]}))
         assert torch.equal(r.page("full", 9, 0), r.page("full", 3, 0))
         assert torch.equal(r.page("full", 9, 1), r.page("full", 3, 0))
+        m = r.conn.take_metrics()  # the one chunk is read once, not once per shard
+        assert (m.blocks_read, m.disk_bytes_read) == (1, BPP)
     finally:
         r.conn.shutdown()
 
@@ -462,10 +467,8 @@ def test_start_lookup_answers_in_the_background(store_path):
 
 def test_abandon_before_the_answer_leaves_nothing_pinned(store_path):
     """abandon_lookup is safe on a handle that has not answered yet."""
-    eng = GatedEngine()
-    r = Rig(store_path, engine=eng, max_bytes=1 << 20)
+    r = Rig(store_path, max_bytes=1 << 20)
     try:
-        eng.gate.set()
         r.offload({"full": [0]}, [h8(0)])
         gate = threading.Event()
         real = r.conn._presence
@@ -478,9 +481,7 @@ def test_abandon_before_the_answer_leaves_nothing_pinned(store_path):
         assert handle.result() == {"full": [True]} and handle.pinned == 0
         assert sum(r.conn._store.budget._pins.values()) == 0
     finally:
-        eng.gate.set()
         r.conn.shutdown()
-        eng.close()
 
 
 def test_load_lookup_consumes_the_handle(store_path):

@@ -126,6 +126,14 @@ def test_pages_come_only_from_valid_entries_and_minus_one_removes_a_page():
     assert state.pages[0] == {1: 6, 2: 7}
 
 
+def test_state_takes_the_lookups_keys_and_refuses_a_lookup_of_other_tokens():
+    tokens = list(range(10))
+    lookup = plan_lookup(tokens, "s", 4, 0, 1, stored_in({}))
+    assert new_request(1, tokens, "s", 4, 1, lookup).keys == chain_keys(tokens, 4, "s")
+    with pytest.raises(ValueError, match="the lookup keyed 2 blocks"):
+        new_request(1, tokens + list(range(4)), "s", 4, 1, lookup)
+
+
 def test_more_page_lists_than_groups_is_refused():
     state = new_request(1, list(range(8)), None, 4, 1)
     with pytest.raises(ValueError, match="2 layer groups"):

@@ -352,10 +352,9 @@ def test_the_slot_minus_one_aliases_is_never_read_or_written(store):
     n = rt2.admit(req2, pages2)
     rt2.step([(req2, pages2, n, len(PROMPT) - n)])
     assert [page(fresh, g, num_slots - 1) for g in (0, 1)] == before
-    for ns in (rt.workers[0].namespace,):
-        for f in (ns.path).rglob("*"):
-            if f.is_file() and "/c/" in str(f):
-                assert b"\xff" * 64 not in f.read_bytes()
+    for f in rt.workers[0].namespace.path.rglob("*"):
+        if f.is_file() and "/c/" in str(f):
+            assert b"\xff" * 64 not in f.read_bytes()
     rt.close()
     rt2.close()
 

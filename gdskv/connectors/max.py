@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from gdskv.config import ConfigError, GdsKvConfig, load_config
-from gdskv.eviction import install_budget, scan_store
+from gdskv.eviction import disk_usage, install_budget, scan_store
 from gdskv.garbage import collect_in_background
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import canonical_key
@@ -55,8 +55,10 @@ from gdskv.connectors.max_types import (
     CompletedTransfer,
     KVCacheGroupId,
     KVCacheMetrics,
+    KVConnectorTransfer,
     KVLoadFailed,
     KVLoadRefused,
+    KVTransfer,
 )
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,9 @@ from ``--model-path``)."""
 ENV_METRICS = "GDSKV_MAX_METRICS"
 """When set, the connector's lifetime counters are kept in this JSON file (rewritten whenever a
 transfer settles, and at shutdown)."""
+ENV_HOOK = "GDSKV_MAX_HOOK"
+"""Set to ``1`` by a process that installed the hook for MAX model workers it spawns; see
+``install_if_requested``."""
 LOOKUP_LEASE_SECONDS = 30.0
 """How long the chunks a ``start_lookup`` found stay pinned when neither ``load_lookup`` nor
 ``abandon_lookup`` follows."""
@@ -151,7 +156,8 @@ class _Counts:
 
 @dataclass
 class _Occupancy:
-    """The last measured disk occupancy and when it was measured (monotonic seconds)."""
+    """The store's chunk bytes as the last background scan measured them (when no byte budget
+    keeps a running count), and when (monotonic seconds)."""
 
     used: int = 0
     measured_at: float = float("-inf")
@@ -205,11 +211,9 @@ class GdsKvConnector:
                 if len(m.shards) != tp_size:
                     raise ValueError(f"gdskv MAX connector: leaf {leaf!r} has {len(m.shards)} TP shards, other leaves {tp_size}")
         self._cfg = config if config is not None else load_config()
-        groups = tuple(
-            GroupSpec(self._gid[leaf], first[leaf].bytes_per_page, (), _window_of(self._leaves[leaf]))
-            for leaf in sorted(self._leaves)
-        )
-        ident = {"engine": "max", "leaves": ";".join(f"{self._gid[leaf]}={leaf}={_shape_of(self._leaves[leaf])}" for leaf in sorted(self._leaves))}
+        groups = tuple(GroupSpec(gid, first[leaf].bytes_per_page, (), _window_of(self._leaves[leaf]))
+                       for leaf, gid in self._gid.items())
+        ident = {"engine": "max", "leaves": ";".join(f"{gid}={leaf}={_shape_of(self._leaves[leaf])}" for leaf, gid in self._gid.items())}
         ident |= dict(extra or {})
         spec = NamespaceSpec(model, dtype, int(tokens_per_block), groups, 0, tp_size,
                              extra=tuple(sorted((str(k), str(v)) for k, v in ident.items())))
@@ -240,39 +244,41 @@ class GdsKvConnector:
     # --- identity ----------------------------------------------------------------------------
     @property
     def name(self) -> str:
-        """Connector name for MAX's logs."""
+        """Connector name, for MAX's logs."""
         return CONNECTOR_NAME
 
     @property
     def leaves(self) -> Mapping[str, KVCacheGroupId]:
-        """The leaves this connector serves, as MAX named them."""
+        """The leaves this connector serves, as MAX named them (read by MAX's cache manager,
+        which keys ``lookup``'s masks and ``load``/``offload``'s arguments by them)."""
         return dict(self._leaves)
 
     @property
     def namespaces(self) -> list[Namespace]:
-        """The store namespaces, one per TP shard (shard ``r`` is ``namespaces[r]``)."""
+        """The store namespaces, one per TP shard (shard ``r`` is ``namespaces[r]``). For tests
+        and tools; MAX does not call it."""
         return list(self._namespaces)
 
     def layer_group(self, leaf_id: str) -> int:
-        """The store layer group that holds ``leaf_id``'s pages."""
+        """The store layer group that holds ``leaf_id``'s pages. For tests and tools."""
         return self._gid[leaf_id]
 
     # --- presence ----------------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[bytes], replica_idx: int = 0, hint: Optional[bytes] = None) -> dict[str, list[bool]]:
         """Which of ``block_hashes`` each leaf holds on every TP shard: one positional mask per
         leaf, ``len(block_hashes)`` long. Holds nothing (not a reservation). ``hint`` is unused
-        (it routes dKV peers). Raises ``ValueError``/``TypeError`` for a malformed hash."""
+        (it routes dKV peers). Raises ``ValueError``/``TypeError`` for a malformed hash.
+        Called by MAX's cache manager when it admits a request (``alloc``), before ``load``."""
         keys = _keys(block_hashes)
         self._replica(replica_idx)
-        with self._lock:
-            self._window.add(lookups=1)
-            self._total.add(lookups=1)
+        self._count(lookups=1)
         return self._presence(keys)
 
     def probe(self, block_hashes: Sequence[bytes], replica_idxs: Sequence[int], hint: Optional[bytes] = None) -> list[dict[str, list[bool]]]:
         """What each replica could load, for pricing: the store is replica-agnostic, so every
         entry is the same ``lookup`` answer (one shared mapping; callers only read it). Answered
-        from the store's index (a ``stat`` per chunk) without pinning anything."""
+        from the store's index (a ``stat`` per chunk) without pinning anything. Called by MAX's
+        scheduler once per arriving request, to weigh DP replicas against each other."""
         keys = _keys(block_hashes)
         for r in replica_idxs:
             self._replica(r)
@@ -281,7 +287,8 @@ class GdsKvConnector:
 
     def defers_lookup(self, replica_idx: int = 0) -> bool:
         """True: ``start_lookup`` answers on a background thread (the store may be a shared
-        file system where a ``stat`` is a round trip)."""
+        file system where a ``stat`` is a round trip). Asked by MAX's scheduler, which counts
+        such lookups against its bound on unanswered ones."""
         return True
 
     def start_lookup(self, block_hashes: Sequence[bytes], replica_idx: int = 0, hint: Optional[bytes] = None) -> "GdsKvLookup":
@@ -289,20 +296,23 @@ class GdsKvConnector:
 
         Under a byte budget the chunks it finds stay pinned (not evicted) until ``load_lookup``
         or ``abandon_lookup`` takes the handle, or ``LOOKUP_LEASE_SECONDS`` pass. Malformed
-        hashes raise here, synchronously."""
+        hashes raise here, synchronously. Called by MAX's scheduler in place of ``lookup``
+        (``defers_lookup`` is True); it holds the request out of the batch until the handle
+        completes."""
         keys = _keys(block_hashes)
         self._replica(replica_idx)
-        handle = GdsKvLookup(keys, replica_idx, hint, time.monotonic() + LOOKUP_LEASE_SECONDS)
+        handle = GdsKvLookup(keys, replica_idx, time.monotonic() + LOOKUP_LEASE_SECONDS)
         with self._lock:
             self._live_lookups.add(handle)
-            self._window.add(lookups=1)
-            self._total.add(lookups=1)
+        self._count(lookups=1)
         handle._future = self._lookups.submit(self._lookup_job, handle)
         return handle
 
     def abandon_lookup(self, lookup: Any) -> None:
         """Release what a ``start_lookup`` handle holds (its pins). Never raises; safe on a
-        handle that has not answered, was loaded from, found nothing, or is not ours."""
+        handle that has not answered, was loaded from, found nothing, or is not ours. Called by
+        MAX's scheduler for a lookup it will not load from; by ``load_lookup``,
+        ``poll_transfers`` (expired leases) and ``shutdown`` here."""
         try:
             if isinstance(lookup, GdsKvLookup):
                 lookup._release(self._unpin)
@@ -312,10 +322,11 @@ class GdsKvConnector:
             log.exception("gdskv: abandon_lookup failed")
 
     def load_lookup(self, lookup: Any, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
-                    replica_idx: int = 0, hint: Optional[bytes] = None) -> Any:
+                    replica_idx: int = 0, hint: Optional[bytes] = None) -> KVTransfer:
         """``load`` out of a completed ``start_lookup``: the load pins its own chunks before the
         lookup's pins are released, so nothing it found can be evicted in between. Consumes the
-        handle however it exits."""
+        handle however it exits. Called by MAX's cache manager in place of ``load`` when the
+        request's lookup was a ``start_lookup``."""
         try:
             if isinstance(lookup, GdsKvLookup) and lookup.replica_idx != replica_idx:
                 raise ValueError(f"load_lookup for replica {replica_idx} with a lookup started for replica {lookup.replica_idx}")
@@ -325,10 +336,12 @@ class GdsKvConnector:
 
     # --- moving pages ------------------------------------------------------------------------
     def load(self, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
-             replica_idx: int = 0, hint: Optional[bytes] = None) -> Any:
+             replica_idx: int = 0, hint: Optional[bytes] = None) -> KVTransfer:
         """Read ``block_hashes[leaf][i]`` into device block ``block_ids[leaf][i]``, every leaf,
-        every TP shard, or nothing.
+        every TP shard, or nothing. Called by MAX's cache manager after a ``lookup`` (at most
+        once per lookup) for the blocks it decided to onload.
 
+        Each stored chunk is read once: a replicated leaf's chunk is copied into every shard.
         Returns a ``CompletedTransfer`` when asked for nothing, else a transfer MAX polls.
         Raises ``KVLoadRefused`` (naming leaf and hash) when a chunk is not stored, before
         anything moves; ``KVLoadFailed`` when the copy cannot be posted (connector shut down);
@@ -336,32 +349,30 @@ class GdsKvConnector:
         bad hash, block id outside the pool)."""
         mem = self._replica(replica_idx)
         plan = self._plan(block_ids, block_hashes)
-        pages = [(leaf, key, shard, src, mem[leaf].page(shard, bid))
-                 for leaf, pairs in plan.items() for bid, key in pairs
-                 for shard, src in self._load_routes(leaf)]
-        if not pages:
+        chunks = [(leaf, key, src, [mem[leaf].page(shard, bid) for shard in dests])
+                  for leaf, pairs in plan.items() for bid, key in pairs
+                  for src, dests in self._load_routes(leaf)]
+        if not chunks:
             return CompletedTransfer()
-        paths = [self._namespaces[src].chunk_path(self._gid[leaf], key) for leaf, key, _, src, _ in pages]
+        paths = [self._namespaces[src].chunk_path(self._gid[leaf], key) for leaf, key, src, _ in chunks]
         self._pin(paths)
         try:
-            for leaf, key, _, src, _ in pages:
+            for leaf, key, src, _ in chunks:
                 if not self._namespaces[src].contains(self._gid[leaf], key):
                     raise KVLoadRefused(
                         f"gdskv: leaf {leaf!r} block {key.hex()} is not stored (shard namespace "
                         f"{self._namespaces[src].id}); evicted since the lookup?", leaf_id=leaf, block_hash=key)
         except KVLoadRefused:
             self._unpin(paths)
-            with self._lock:
-                self._window.add(loads_refused=1)
-                self._total.add(loads_refused=1)
+            self._count(loads_refused=1)
             raise
         blocks = sum(len(pairs) for pairs in plan.values())
-        transfer = _LoadTransfer(self, [(leaf, key, page.numel()) for leaf, key, _, _, page in pages], blocks, paths)
+        transfer = _LoadTransfer(self, [(leaf, key, pages[0].numel()) for leaf, key, _, pages in chunks], blocks, paths)
         abort = transfer.abort
         futures: list[Future] = []
         try:
-            for leaf, key, _, src, page in pages:
-                futures.append(self._jobs.submit(self._load_page, self._xfers[src], self._gid[leaf], key, page, abort))
+            for leaf, key, src, pages in chunks:
+                futures.append(self._jobs.submit(self._load_page, self._xfers[src], self._gid[leaf], key, pages, abort))
         except Exception as e:  # executor shut down: nothing may stay in flight into the pages
             abort.set()
             for f in futures:
@@ -369,24 +380,22 @@ class GdsKvConnector:
             for f in futures:
                 _wait_quietly(f)
             self._unpin(paths)
-            with self._lock:
-                self._window.add(load_failures=1)
-                self._total.add(load_failures=1)
+            self._count(load_failures=1)
             raise KVLoadFailed(f"gdskv: could not post the load: {e}") from e
-        with self._lock:
-            self._inflight += len(futures)
+        self._count(inflight=len(futures))
         transfer.start(futures)
         return transfer
 
     def offload(self, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, Sequence[bytes]],
-                replica_idx: int = 0) -> Any:
+                replica_idx: int = 0) -> KVConnectorTransfer:
         """Write device block ``block_ids[leaf][i]`` under ``block_hashes[leaf][i]``.
 
         Blocks every shard already stores are skipped; the rest are written in the background and
         published (renamed into place) once their bytes are on disk. The transfer's
         ``g0_blocks_per_leaf`` are the blocks it reads, which MAX keeps pinned until it completes;
         a ``CompletedTransfer`` when nothing needed writing. Never fails the caller for I/O: a
-        full disk or budget drops the block (``connector_offload_blocks_dropped``)."""
+        full disk or budget drops the block (``connector_offload_blocks_dropped``). Called by
+        MAX's cache manager every step, after ``load``, with the blocks committed since."""
         mem = self._replica(replica_idx)
         plan = self._plan(block_ids, block_hashes)
         taken: dict[str, list[int]] = {}
@@ -404,12 +413,9 @@ class GdsKvConnector:
                 parent = pairs[i - 1][1] if chained and i > 0 else None
                 work.extend((leaf, bid, shard, key, parent, mem[leaf].page(shard, bid)) for shard in self._store_shards(leaf))
                 taken.setdefault(leaf, []).append(bid)
-        with self._lock:
-            self._window.add(offload_blocks_skipped=skipped)
-            self._total.add(offload_blocks_skipped=skipped)
+        self._count(offload_blocks_skipped=skipped)
         if not work:
             return CompletedTransfer()
-        transfer = _OffloadTransfer(self, taken)
         posted: list[tuple[tuple[str, int], int, Future]] = []
         unposted: set[tuple[str, int]] = set()
         for leaf, bid, shard, key, parent, page in work:
@@ -421,19 +427,18 @@ class GdsKvConnector:
                 continue
             posted.append(((leaf, bid), page.numel(), fut))
         if not posted:
-            with self._lock:
-                self._window.add(offload_blocks_dropped=len(unposted))
-                self._total.add(offload_blocks_dropped=len(unposted))
+            self._count(offload_blocks_dropped=len(unposted))
             return CompletedTransfer()
-        with self._lock:
-            self._inflight += len(posted)
+        self._count(inflight=len(posted))
+        transfer = _OffloadTransfer(self, taken)
         transfer.start(posted, unposted)
         return transfer
 
     def touch(self, block_hashes: Sequence[bytes], replica_idx: int = 0) -> None:
         """Refresh the recency of ``block_hashes`` (root first, in the order given) in every
         leaf and shard, on a background thread. Returns at once and never raises; missing and
-        malformed hashes are ignored."""
+        malformed hashes are ignored. Called by MAX's cache manager for the run a request
+        reuses (served from device or loaded) and when it releases a request."""
         try:
             hashes = list(block_hashes)
             self._background.submit(self._touch_job, hashes)
@@ -455,20 +460,23 @@ class GdsKvConnector:
     # --- occupancy and metrics ---------------------------------------------------------------
     @property
     def host_byte_count(self) -> ByteCount:
-        """gdskv has no host tier: pages go between device memory and disk."""
+        """gdskv has no host tier: pages go between device memory and disk. Read by MAX's
+        cache manager for its occupancy reports, like ``disk_byte_count``."""
         return ByteCount(free=0, total=0)
 
     @property
     def disk_byte_count(self) -> ByteCount:
         """The store's chunk bytes against its capacity: the byte budget when one is set (free
         also bounded by the file system), else what is used plus what the file system has free.
-        The chunk bytes are measured by a background scan at most every
-        ``stats_flush_seconds``; this returns the latest measurement at once."""
-        self._refresh_occupancy()
-        used = self._occupancy.used
+        The chunk bytes are the budget's running count, or, without a budget, a background
+        scan's at most every ``stats_flush_seconds`` (the latest is returned at once). Read by
+        MAX's cache manager for its occupancy reports."""
+        budget = self._store.budget
+        used = budget.used_bytes if budget is not None else None
+        if used is None:
+            used = self._scanned_bytes()
         try:
-            st = os.statvfs(self._store.root)
-            fs_free = st.f_bavail * st.f_frsize
+            fs_free = disk_usage(str(self._store.root))[1]
         except OSError:
             fs_free = 0
         if self._cfg.max_bytes is not None:
@@ -478,12 +486,14 @@ class GdsKvConnector:
 
     @property
     def metrics(self) -> GdsKvMetrics:
-        """Counters since the last ``take_metrics`` (what MAX adds to its own window)."""
+        """Counters since the last ``take_metrics``; MAX's cache manager adds them to its own
+        ``metrics``."""
         with self._lock:
             return self._as_metrics(self._window)
 
     def take_metrics(self) -> GdsKvMetrics:
-        """Read and clear the per-batch counters (``inflight_disk_ops`` is a level, not cleared)."""
+        """Read and clear the per-batch counters (``inflight_disk_ops`` is a level, not cleared).
+        Called by MAX's cache manager once per batch, from its own ``take_metrics``."""
         with self._lock:
             out = self._as_metrics(self._window)
             self._window = _Counts()
@@ -491,12 +501,14 @@ class GdsKvConnector:
 
     def stats(self) -> dict[str, int]:
         """Lifetime counters of this connector (blocks and bytes read and written, refusals,
-        failures, dropped and skipped offloads, lookups, touches). Written to ``stats_file``."""
+        failures, dropped and skipped offloads, lookups, touches). Written to ``stats_file``;
+        for tests, tools and ``write_stats``."""
         with self._lock:
             return dataclasses.asdict(self._total) | {"inflight_disk_ops": self._inflight}
 
     def write_stats(self, path: Optional[str] = None) -> None:
-        """Write ``stats()`` as JSON to ``path`` (default: ``stats_file``), atomically."""
+        """Write ``stats()`` as JSON to ``path`` (default: ``stats_file``), atomically. Called
+        whenever a transfer settles and at ``shutdown``; a no-op without a path."""
         path = path or self._stats_file
         if not path:
             return
@@ -511,7 +523,8 @@ class GdsKvConnector:
 
     def reset_prefix_cache(self) -> None:
         """Kept as is: the store is persistent and shared with other processes, so MAX resetting
-        its own prefix cache does not erase it (``gdskv evict`` does that on purpose)."""
+        its own prefix cache (which calls this) does not erase it (``gdskv evict`` does that on
+        purpose)."""
 
     def shutdown(self) -> None:
         """Wait for in-flight work, release pins, close threads (and the I/O engine when this
@@ -544,10 +557,12 @@ class GdsKvConnector:
         m = self._memory[0][leaf]
         return range(1) if m.replicated else range(len(m.shards))
 
-    def _load_routes(self, leaf: str) -> list[tuple[int, int]]:
-        """``(destination shard, source namespace)`` pairs of a load of ``leaf``."""
+    def _load_routes(self, leaf: str) -> list[tuple[int, range]]:
+        """``(source namespace, destination shards)`` of a load of ``leaf``: each shard from its
+        own namespace, or a replicated leaf's one chunk (shard 0's) into every shard."""
         m = self._memory[0][leaf]
-        return [(r, 0 if m.replicated else r) for r in range(len(m.shards))]
+        n = len(m.shards)
+        return [(0, range(n))] if m.replicated else [(r, range(r, r + 1)) for r in range(n)]
 
     def _present_all_shards(self, leaf: str, keys: Sequence[bytes]) -> list[bool]:
         gid = self._gid[leaf]
@@ -587,19 +602,26 @@ class GdsKvConnector:
                 budget.unpin(p)
 
     @staticmethod
-    def _load_page(xfer: PageTransfer, gid: int, key: bytes, page: torch.Tensor, abort: threading.Event) -> Optional[LoadStatus]:
-        """One chunk into one page: read into scratch memory, verified, then copied. Runs on a
-        load thread; ``None`` when the transfer failed before this page started."""
+    def _load_page(xfer: PageTransfer, gid: int, key: bytes, pages: list[torch.Tensor], abort: threading.Event) -> Optional[LoadStatus]:
+        """One chunk into its pages (one per destination shard): read into scratch memory,
+        verified, then copied. Runs on a load thread, which bounds the scratch memory in use to
+        one page per thread; ``None`` when the transfer failed before this chunk started."""
         if abort.is_set():
             return None
-        scratch = torch.empty_like(page)
+        scratch = torch.empty_like(pages[0])
         status = xfer.load_page(gid, key, [scratch]).result()
         if status is LoadStatus.LOADED and not abort.is_set():
-            page.copy_(scratch)
+            for page in pages:
+                page.copy_(scratch)
+            for device in {p.device for p in pages if p.is_cuda}:  # device copies are queued: landed before LOADED
+                torch.cuda.current_stream(device).synchronize()
         return status
 
     def _lookup_job(self, handle: "GdsKvLookup") -> dict[str, list[bool]]:
-        """The body of a ``start_lookup``: pin what is there (under a budget), then answer."""
+        """The body of a ``start_lookup``, on a lookup thread: under a budget, pin what is there
+        (pinned before the ``stat``, so nothing found can be evicted), then answer."""
+        if self._store.budget is None:  # nothing can be evicted under it: nothing to pin
+            return self._presence(handle.keys)
         chunks = [(leaf, i, self._namespaces[s].chunk_path(self._gid[leaf], key))
                   for leaf in self._leaves for s in self._store_shards(leaf) for i, key in enumerate(handle.keys)]
         self._pin(p for _, _, p in chunks)
@@ -617,21 +639,16 @@ class GdsKvConnector:
         for leaf in self._leaves:
             for shard in self._store_shards(leaf):
                 self._namespaces[shard].touch_many(self._gid[leaf], keys)
-        with self._lock:
-            self._window.add(touches=1)
-            self._total.add(touches=1)
+        self._count(touches=1)
 
-    def _refresh_occupancy(self) -> None:
-        """Start a background scan of the store's bytes when the last one is stale."""
+    def _scanned_bytes(self) -> int:
+        """The store's chunk bytes as last scanned; starts a background scan when that one is
+        stale. Called by ``disk_byte_count`` where no byte budget keeps a running count."""
         occ = self._occupancy
-        budget = self._store.budget
-        if budget is not None and budget.used_bytes is not None:
-            occ.used = int(budget.used_bytes)
-            return
         with self._lock:
             stale = time.monotonic() - occ.measured_at > self._cfg.stats_flush_seconds
             if not stale or occ.refreshing or self._closed:
-                return
+                return occ.used
             occ.refreshing = True
 
         def scan() -> None:
@@ -645,14 +662,20 @@ class GdsKvConnector:
             self._background.submit(scan)
         except RuntimeError:
             occ.refreshing = False
+        return occ.used
+
+    def _count(self, inflight: int = 0, **deltas: int) -> None:
+        """Add event counts to the ``take_metrics`` window and to the lifetime totals, and
+        ``inflight`` to the disk operations in flight, in one step."""
+        with self._lock:
+            self._inflight += inflight
+            self._window.add(**deltas)
+            self._total.add(**deltas)
 
     def _settled(self, jobs: int, **counts: int) -> None:
         """Called by a transfer (on an I/O thread) when its last job finished; keeps
         ``stats_file`` current, since a serving worker may never exit cleanly."""
-        with self._lock:
-            self._inflight -= jobs
-            self._window.add(**counts)
-            self._total.add(**counts)
+        self._count(inflight=-jobs, **counts)
         self.write_stats()
 
     def _as_metrics(self, c: _Counts) -> GdsKvMetrics:
@@ -676,7 +699,6 @@ class GdsKvLookup:
 
     keys: list[bytes]
     replica_idx: int
-    hint: Optional[bytes]
     deadline: float
     _future: Optional["Future[dict[str, list[bool]]]"] = field(default=None, repr=False)
     _pins: list[str] = field(default_factory=list, repr=False)
@@ -718,8 +740,9 @@ class _LoadTransfer:
     ``KVLoadFailed`` from every poll once any page failed and nothing is in flight any more."""
 
     def __init__(self, owner: GdsKvConnector, items: list[tuple[str, bytes, int]], blocks: int, pins: list[str]) -> None:
-        """``items``: ``(leaf, key, bytes)`` of each page job (one per block and shard);
-        ``blocks``: how many leaf blocks they fill; ``pins``: chunk paths to unpin at the end."""
+        """``items``: ``(leaf, key, bytes)`` of each job (one per chunk read: per block and
+        stored shard); ``blocks``: how many leaf blocks they fill; ``pins``: chunk paths to
+        unpin at the end."""
         self._owner = owner
         self._items = items
         self._blocks = blocks
@@ -805,12 +828,11 @@ class _OffloadTransfer:
         return self._taken
 
     def start(self, posted: list[tuple[tuple[str, int], int, Future]], unposted: set[tuple[str, int]]) -> None:
+        """Called once by ``offload`` with the posted jobs (``(leaf, block id)``, bytes, future;
+        at least one) and the blocks whose jobs could not be posted (counted as dropped)."""
         for block in unposted:
             self._status.setdefault(block, []).append(None)
         self._pending = self._jobs = len(posted)
-        if not posted:
-            self._settle()
-            return
         for block, nbytes, f in posted:
             f.add_done_callback(lambda f, block=block, nbytes=nbytes: self._job_done(block, nbytes, f))
 
@@ -935,10 +957,9 @@ def create_gdskv_connector(leaves: Mapping[str, KVCacheGroupId], devices: Sequen
         for replica in replica_kv_memory
     ]
     dtype = getattr(params.dtype, "name", str(params.dtype))
-    connector = GdsKvConnector(leaves, memory, model=model_identity(cfg), dtype=dtype,
-                               tokens_per_block=int(params.page_size), config=cfg, extra=extra,
-                               stats_file=os.environ.get(ENV_METRICS))
-    return connector
+    return GdsKvConnector(leaves, memory, model=model_identity(cfg), dtype=dtype,
+                          tokens_per_block=int(params.page_size), config=cfg, extra=extra,
+                          stats_file=os.environ.get(ENV_METRICS))
 
 
 _installed: Optional[Callable[..., Any]] = None
@@ -969,11 +990,6 @@ def install() -> None:
 
     jcm.create_connector = create_connector
     _installed = create_connector
-
-
-ENV_HOOK = "GDSKV_MAX_HOOK"
-"""Set to ``1`` by a process that installed the hook for MAX model workers it spawns; see
-``install_if_requested``."""
 
 
 def install_if_requested() -> None:

@@ -4,10 +4,8 @@ When MAX (``max.pipelines``) is installed, every name below is MAX's own class, 
 exceptions and metrics that ``gdskv.connectors.max.GdsKvConnector`` hands to MAX's cache manager
 are the ones it catches and adds up. Where MAX is not installed (CPU CI, the protocol tests),
 small local classes stand in, written from the public KVConnector spec: the same names, the
-same constructor arguments, the same fields for what gdskv uses.
-
-``KVLookup`` (the handle of ``start_lookup``) is taken from MAX when the installed release
-defines it (26.7 does not), and is the local protocol otherwise.
+same constructor arguments, the same fields for what gdskv uses. (``start_lookup``'s handle is
+gdskv's own ``GdsKvLookup``: MAX 26.7 defines no ``KVLookup`` type.)
 
 ``MAX_AVAILABLE`` says which world this is. Imported by ``gdskv.connectors.max`` and the tests.
 """
@@ -32,11 +30,9 @@ MAX_AVAILABLE = _max_importable()
 if MAX_AVAILABLE:
     from max.nn.kv_cache import KVCacheGroupId
     from max.nn.kv_cache.metrics import KVCacheMetrics
-    from max.pipelines.kv_cache import kv_connector as _kvc
     from max.pipelines.kv_cache.kv_connector import (
         ByteCount,
         CompletedTransfer,
-        KVConnector,
         KVConnectorTransfer,
         KVLoadFailed,
         KVLoadRefused,
@@ -143,31 +139,6 @@ else:
         def synchronize(self) -> None:
             return None
 
-    @runtime_checkable
-    class KVConnector(Protocol):  # type: ignore[no-redef]
-        """Marker for the connector protocol (the methods are those of ``GdsKvConnector``)."""
-
-        @property
-        def name(self) -> str:
-            ...
-
-
-if MAX_AVAILABLE and hasattr(_kvc, "KVLookup"):
-    KVLookup = _kvc.KVLookup  # type: ignore[misc]
-else:
-
-    @runtime_checkable
-    class KVLookup(Protocol):  # type: ignore[no-redef]
-        """The handle ``start_lookup`` returns: the lookup's answer once it completes."""
-
-        def is_complete(self) -> bool:
-            """Never blocks."""
-            ...
-
-        def result(self) -> Mapping[str, Sequence[bool]]:
-            """The masks ``lookup`` would have returned; blocks until answered."""
-            ...
-
 
 __all__ = [
     "MAX_AVAILABLE",
@@ -175,10 +146,8 @@ __all__ = [
     "CompletedTransfer",
     "KVCacheGroupId",
     "KVCacheMetrics",
-    "KVConnector",
     "KVConnectorTransfer",
     "KVLoadFailed",
     "KVLoadRefused",
-    "KVLookup",
     "KVTransfer",
 ]

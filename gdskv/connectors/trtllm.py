@@ -187,6 +187,7 @@ _PEERS_LOCK = threading.Lock()
 
 
 def _peers(store_path: str, model: str, tp_size: int) -> _Peers:
+    """The registry entry of one deployment; taken by both halves' constructors."""
     with _PEERS_LOCK:
         return _PEERS.setdefault((store_path, model, tp_size), _Peers())
 
@@ -318,12 +319,14 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
                 self._warned_inactive = True
             return False
         self._tokens_per_block = base.tokens_per_block
-        self._windows = [base.group(g).window_size for g in range(len(base.groups))]
+        self._windows = [g.window_size for g in base.groups]  # dense ids in order (check_layout)
         log.info("gdskv: scheduler checks namespaces %s in %s", ", ".join(ns.id for ns in self._namespaces), self._cfg.store_path)
         return True
 
     def _stored(self, layer_group_id: int, keys: Sequence[bytes]) -> list[bool]:
-        """Whether every TP rank's shard of each key's chunk is in the store."""
+        """The planner's ``stored`` predicate (lookups and save planning): whether every TP rank's
+        shard of each key's chunk is in the store. A rank is asked only about keys the ranks
+        before it hold."""
         present = [True] * len(keys)
         for ns in self._namespaces or ():
             todo = [i for i, p in enumerate(present) if p]
@@ -390,6 +393,9 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         return ConnectorMetadata(tuple(plans), step=self._step)
 
     def _plan(self, data: Any, first: bool) -> Optional[RequestPlan]:
+        """One ``RequestData`` of ``build_connector_meta`` through ``plan_step``. A first report
+        without a lookup (or of a replayed request) starts fresh state; a cached entry without
+        any state is not planned."""
         report = _report_of(data)
         state = self._requests.get(report.request_id)
         if first and (state is None or state.reported):
@@ -416,7 +422,8 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
 
 
 def _report_of(data: Any) -> StepReport:
-    """A ``RequestData`` (TensorRT-LLM's or the reference engine's, duck-typed) as a ``StepReport``."""
+    """A ``RequestData`` (TensorRT-LLM's or the reference engine's, duck-typed) as a ``StepReport``;
+    the flat ``new_block_ids`` stands in for group 0 where the per-group lists are absent."""
     by_group = getattr(data, "new_block_ids_by_layer_group", None) or [list(getattr(data, "new_block_ids", None) or [])]
     return StepReport(
         request_id=int(data.request_id),
@@ -465,6 +472,9 @@ class GdsKvWorker(KvCacheConnectorWorker):
         self._layout: Any = None
         self._transfer: Optional[PageTransfer] = None
         self._group_layers: dict[int, frozenset[int]] = {}
+        self._group_of_layer: dict[int, int] = {}
+        """Model layer -> its layer group id (``layout.group_of_layer``, resolved once at registration
+        rather than on every per-layer hook)."""
         self._windows: dict[int, Optional[int]] = {}
         # this step
         self._step_meta: Optional[ConnectorMetadata] = None
@@ -503,6 +513,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
         spec = NamespaceSpec.from_layout(layout, model=d.model, tp_rank=d.tp_rank, tp_size=d.tp_size)
         self._layout = layout
         self._group_layers = {g.layer_group_id: frozenset(int(i) for i in g.layer_ids) for g in layout.groups}
+        self._group_of_layer = {layer: gid for gid, layers in self._group_layers.items() for layer in layers}
         self._windows = {g.layer_group_id: g.window_size for g in layout.groups}
         try:
             store = PageStore.open(self._cfg.store_path)
@@ -554,7 +565,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Before layer ``layer_idx`` computes: wait for the loads into its group's pages."""
         if self._layout is not None:
-            self._finish_loads(self._layout.group_of_layer(layer_idx).layer_group_id)
+            self._finish_loads(self._group_of_layer[int(layer_idx)])
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """After layer ``layer_idx``'s compute is enqueued: once every layer of its group has been,
@@ -562,7 +573,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
         if self._layout is None:
             return
         self._layers_done.add(int(layer_idx))
-        gid = self._layout.group_of_layer(layer_idx).layer_group_id
+        gid = self._group_of_layer[int(layer_idx)]
         if self._group_layers[gid] <= self._layers_done:
             self._post_saves(gid, stream)
 

@@ -28,6 +28,7 @@ from gdskv.layout import (
     KvCacheLayout,
     layout_from_group_tensors,
     single_pool_layout,
+    valid_page_slots,
 )
 
 POISON_BYTE = 0xFF
@@ -47,7 +48,7 @@ class LayerGroup:
         if self.window_size is None:
             return []
         first_visible = num_computed - self.window_size + 1
-        return [b for b, slot in enumerate(block_ids) if slot != BAD_PAGE_INDEX and (b + 1) * tokens_per_block <= first_visible]
+        return [b for b, _ in valid_page_slots(block_ids) if (b + 1) * tokens_per_block <= first_visible]
 
 
 def layer_groups_of(cfg: ModelConfig) -> list[LayerGroup]:
@@ -202,11 +203,13 @@ class RequestKv:
         c = self._cache
         gid, li = c.group_of_layer(layer)
         tpb, d = c.tokens_per_block, c.model_cfg.head_dim
+        gone = None  # one NaN block for every reclaimed one (torch.cat copies it)
         ks, vs = [], []
         for ordinal in range(-(-end // tpb)):
             slot = self._block_ids[gid][ordinal]
             if slot == BAD_PAGE_INDEX:
-                gone = torch.full((c.model_cfg.num_kv_heads, tpb, d), float("nan"), dtype=c.model_cfg.dtype)
+                if gone is None:
+                    gone = torch.full((c.model_cfg.num_kv_heads, tpb, d), float("nan"), dtype=c.model_cfg.dtype)
                 ks.append(gone)
                 vs.append(gone)
                 continue

@@ -172,6 +172,8 @@ class ConnectorDriver:
         return num_tokens, bool(is_async)
 
     def after_alloc(self, request: EngineRequest) -> None:
+        """At admission, once the loaded prefix and first chunk have pages: the chosen set's
+        ``update_state_after_alloc`` form."""
         ids = [list(g) for g in request.block_ids]
         if self.per_group:
             self.scheduler.update_state_after_alloc_by_layer_group(request, ids)
@@ -179,6 +181,8 @@ class ConnectorDriver:
             self.scheduler.update_state_after_alloc(request, ids[0])
 
     def request_finished(self, request: EngineRequest) -> bool:
+        """When a request completes: the chosen set's ``request_finished`` form; True while a save
+        still reads its pages."""
         ids = [list(g) for g in request.block_ids]
         if self.per_group:
             return bool(self.scheduler.request_finished_by_layer_group(request, ids))
@@ -187,6 +191,8 @@ class ConnectorDriver:
     # -- worker calls, one step ---------------------------------------------------------------
 
     def begin_step(self, output: SchedulerOutput) -> None:
+        """Before the forward pass: build the step's metadata, hand every worker its own copy,
+        start the loads."""
         meta = pickle.dumps(self.scheduler.build_connector_meta(output))
         for worker in self.workers:
             worker.bind_connector_meta(pickle.loads(meta))
@@ -211,18 +217,21 @@ class ConnectorDriver:
         return failed
 
     def poll_finished(self, finished_gen: list[int], started_loading: list[int]) -> tuple[set[int], set[int]]:
-        """Ids every rank has now reported finished saving, and finished loading."""
+        """``get_finished`` on every worker, once per step: ids every rank has now reported
+        finished saving, and finished loading."""
         for rank, worker in enumerate(self.workers):
             saved, loaded = worker.get_finished(list(finished_gen), list(started_loading))
             for reports, ids in ((self._save_reports, saved), (self._load_reports, loaded)):
                 for rid in ids:
                     reports.setdefault(int(rid), set()).add(rank)
-        ranks = len(self.workers)
-        done = [{rid for rid, r in reports.items() if len(r) == ranks} for reports in (self._save_reports, self._load_reports)]
-        for reports, ids in zip((self._save_reports, self._load_reports), done):
-            for rid in ids:
-                del reports[rid]
-        return done[0], done[1]
+        return self._reported_by_every_rank(self._save_reports), self._reported_by_every_rank(self._load_reports)
+
+    def _reported_by_every_rank(self, reports: dict[int, set[int]]) -> set[int]:
+        """Take the ids every rank has reported out of ``reports``."""
+        done = {rid for rid, ranks in reports.items() if len(ranks) == len(self.workers)}
+        for rid in done:
+            del reports[rid]
+        return done
 
 
 class ReferenceEngine:
@@ -292,11 +301,12 @@ class ReferenceEngine:
             if not tokens or not all(0 <= t < self.model_cfg.vocab_size for t in tokens):
                 raise ValueError(f"a prompt must be non-empty with token ids in [0, {self.model_cfg.vocab_size})")
             request = EngineRequest(self._next_request_id, tokens, max_new_tokens, salt, split, now, len(self.kv.groups))
-            for gid, need in enumerate(self._blocks_needed(request)):
-                if need > self.kv.allocator.capacity[gid]:
+            need = self._blocks_needed(request)
+            for gid, capacity in enumerate(self.kv.allocator.capacity):
+                if need > capacity:
                     raise ValueError(
                         f"a request of {len(tokens)} + {max_new_tokens} tokens needs {need} pages in layer group {gid}, "
-                        f"more than num_slots allows ({self.kv.allocator.capacity[gid]})"
+                        f"more than num_slots allows ({capacity})"
                     )
             self._next_request_id += 1
             requests.append(request)
@@ -327,19 +337,20 @@ class ReferenceEngine:
                 raise ConnectorError(f"no progress for {self.engine_cfg.async_timeout_s}s waiting on the connector: {stuck}")
             time.sleep(0.001)
 
-    def _blocks_needed(self, request: EngineRequest) -> list[int]:
-        """Worst-case pages per group over the request's life (every token but the last is fed)."""
-        tokens = request.prompt_len + request.max_new_tokens - 1
-        return [-(-tokens // self.kv.tokens_per_block)] * len(self.kv.groups)
+    def _blocks_needed(self, request: EngineRequest) -> int:
+        """Worst-case pages in each layer group over the request's life (every token but the last
+        is fed); the same in every group, since a reclaimed page still takes an ordinal."""
+        return -(-(request.prompt_len + request.max_new_tokens - 1) // self.kv.tokens_per_block)
 
     def _can_admit(self, request: EngineRequest) -> bool:
-        if sum(r.state in (RequestState.RUNNING, RequestState.LOADING) for r in self._active) >= self.engine_cfg.max_batch:
+        """Room in the batch, and in every group's pool for this request's worst case on top of
+        what the admitted requests may still allocate."""
+        admitted = [r for r in self._active if r.state in (RequestState.RUNNING, RequestState.LOADING)]
+        if len(admitted) >= self.engine_cfg.max_batch:
             return False
-        for gid, need in enumerate(self._blocks_needed(request)):
-            promised = sum(
-                max(0, self._blocks_needed(r)[gid] - len(r.block_ids[gid]))
-                for r in self._active if r.state in (RequestState.RUNNING, RequestState.LOADING)
-            )
+        need = self._blocks_needed(request)
+        for gid in range(len(self.kv.groups)):
+            promised = sum(max(0, self._blocks_needed(r) - len(r.block_ids[gid])) for r in admitted)
             if self.kv.allocator.num_free(gid) - promised < need:
                 return False
         return True

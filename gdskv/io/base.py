@@ -5,9 +5,9 @@ An engine knows nothing about chunks, keys or checksums; the store's transfer la
 ``concurrent.futures.Future`` that resolves to the number of bytes moved, or raises ``OSError``
 (a short read is ``ShortReadError``).
 
-A ``Segment`` is one contiguous memory range and its place in the file. Memory is a 1-D
-contiguous ``torch.uint8`` tensor on any device (a page slot from ``region.slot_tensor``), or any
-host buffer-protocol object (a chunk trailer). Segments of one call all belong to one file, so an
+A ``Segment`` is one contiguous memory range and its place in the file. Memory is a contiguous
+tensor of any dtype on any device (a page slot from ``region.slot_tensor``, which the transfer
+layer passes as ``uint8``), or any host buffer-protocol object (a chunk trailer). Segments of one call all belong to one file, so an
 engine opens that file once per call.
 """
 from __future__ import annotations
@@ -28,6 +28,9 @@ class ShortReadError(OSError):
 
 @dataclass(frozen=True)
 class Segment:
+    """One memory range and its file offset; the transfer layer makes one per region of a page
+    and one for the trailer behind them."""
+
     file_offset: int
     buf: Buffer
 
@@ -65,9 +68,9 @@ class IoEngine(abc.ABC):
         """
 
     def read_now(self, path: str, segments: Sequence[Segment]) -> int:
-        """``read`` on the calling thread. The transfer layer's threads call this, so a page costs
-        no hand-off to a second thread; engines that can do better than ``read(...).result()``
-        (the POSIX engine) override it."""
+        """``read`` on the calling thread. The transfer layer's threads call this once per page,
+        so a page costs no hand-off to a second thread; both engines override this fallback
+        (``read(...).result()``) with their own synchronous call."""
         return self.read(path, segments).result()
 
     def write_now(self, path: str, segments: Sequence[Segment]) -> int:
@@ -75,24 +78,36 @@ class IoEngine(abc.ABC):
         return self.write(path, segments).result()
 
     def read_batch(self, ops: Sequence[tuple[str, Sequence[Segment]]]) -> list["Future[int]"]:
+        """``read`` of several files at once. The transfer layer does not use it (it calls
+        ``read_now`` per page on its own threads); tests and tools may."""
         return [self.read(path, segs) for path, segs in ops]
 
     def write_batch(self, ops: Sequence[tuple[str, Sequence[Segment]]]) -> list["Future[int]"]:
+        """``write`` of several files at once (see ``read_batch``)."""
         return [self.write(path, segs) for path, segs in ops]
 
     def close(self) -> None:
         """Wait for in-flight calls and release threads and handles."""
 
     def describe(self) -> str:
+        """One line for bring-up logs (connectors, ``gdskv info``, the demo): name and GDS state."""
         return f"{self.name} (GDS {'active' if self.gds_active else 'inactive'})"
 
 
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's memory as a flat ``uint8`` tensor on its own device: a view, never a copy
+    (a non-contiguous tensor is the caller's error, ``ValueError``: reading into a copy would
+    lose the bytes). Called by both engines for every tensor segment."""
+    if not t.is_contiguous():
+        raise ValueError("segment memory must be contiguous")
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 def host_view(buf: Buffer) -> memoryview:
-    """A writable byte view of host memory (a CPU tensor, bytearray, ...); zero-copy."""
+    """A zero-copy byte view of host memory (a CPU tensor, bytearray, bytes, ...); the POSIX
+    engine's ``preadv``/``pwritev`` take it."""
     if isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
             raise ValueError("host_view of device memory")
-        if not buf.is_contiguous():
-            raise ValueError("segment memory must be contiguous")
-        return memoryview(buf.view(torch.uint8).reshape(-1).numpy()).cast("B")
+        return memoryview(tensor_bytes(buf).numpy())
     return memoryview(buf).cast("B")

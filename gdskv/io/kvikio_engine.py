@@ -3,11 +3,12 @@
 Made by ``gdskv.io.make_engine`` when the config asks for ``engine = "kvikio"`` (or ``"auto"`` finds
 kvikio and a CUDA driver); used by the transfer layer (``gdskv.transfer``) for every chunk file.
 
-Each ``read``/``write`` call runs on one of the engine's call threads: it opens one ``CuFile`` for
-the call's path, issues every segment at once with kvikio's asynchronous ``pread``/``pwrite`` (which
-split each segment into ``task_size`` tasks on kvikio's own thread pool), waits for all of them and
-closes the file. The caller gets a ``concurrent.futures.Future`` at once, so a call never blocks
-the caller, not even on ``open``.
+Each call opens one ``CuFile`` for the call's path, issues every segment at once with kvikio's
+asynchronous ``pread``/``pwrite`` (which split each segment into ``task_size`` tasks on kvikio's
+own thread pool), waits for all of them and closes the file. The transfer layer's threads make
+that call themselves, once per page (``read_now``/``write_now``); ``read``/``write`` run it on one
+of the engine's call threads and return a ``concurrent.futures.Future`` at once, so they never
+block the caller, not even on ``open``.
 
 Handles are not cached across calls. A chunk file is written once, under a temporary name that is
 renamed when complete, and afterwards only read, quarantined or evicted: a cached write handle
@@ -35,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError
+from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
 
 # errno values by their strerror text: kvikio reports system errors as RuntimeError whose message
 # ends with strerror(errno); this maps them back onto OSError subclasses (FileNotFoundError, ...).
@@ -48,9 +49,10 @@ class KvikioEngine(IoEngine):
     name = "kvikio"
 
     def __init__(self, threads: int = 4, task_size: int = 4 << 20, fsync: bool = False) -> None:
-        """``threads``: kvikio's thread pool size, and the number of calls in flight at once.
+        """``threads``: kvikio's thread pool size, and the number of ``read``/``write`` calls in
+        flight at once (``read_now``/``write_now`` run on their callers' threads).
         ``task_size``: the bytes one kvikio task moves (a segment is split into tasks of this size).
-        ``fsync``: flush each written file to the device before its future resolves.
+        ``fsync``: flush each written file to the device before the call returns.
         """
         import kvikio
         import kvikio.defaults
@@ -88,8 +90,14 @@ class KvikioEngine(IoEngine):
     def write(self, path: str, segments: Sequence[Segment]) -> "Future[int]":
         return self._calls.submit(self._run, path, list(segments), "w")
 
-    def _run(self, path: str, segments: list[Segment], flags: str) -> int:
-        """One call, on a call thread: open, issue every segment, wait for all, close."""
+    def read_now(self, path: str, segments: Sequence[Segment]) -> int:
+        return self._run(path, segments, "r")
+
+    def write_now(self, path: str, segments: Sequence[Segment]) -> int:
+        return self._run(path, segments, "w")
+
+    def _run(self, path: str, segments: Sequence[Segment], flags: str) -> int:
+        """One call: open, issue every segment, wait for all, close."""
         try:
             handle = self._kvikio.CuFile(path, flags)
         except RuntimeError as exc:
@@ -137,9 +145,7 @@ def _kvikio_buffer(buf: Buffer, writable: bool) -> tuple[Any, int]:
     numpy view. ``writable``: the call reads into this memory (so ``bytes`` cannot take it).
     """
     if isinstance(buf, torch.Tensor):
-        if not buf.is_contiguous():
-            raise ValueError("segment memory must be contiguous")
-        flat = buf.detach().reshape(-1).view(torch.uint8)
+        flat = tensor_bytes(buf)
         return (flat.numpy() if flat.device.type == "cpu" else flat), flat.numel()
     view = np.frombuffer(buf, dtype=np.uint8)
     if writable and not view.flags.writeable:
