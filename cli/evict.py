@@ -41,8 +41,9 @@ def evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[str
             raise UsageProblem("nothing to evict against: give --max-bytes and/or --older-than, or set max_bytes / min_free_* in the config")
     table = scan_store(store, select_namespaces(store, namespace))
     before = table.total_bytes
-    by_size = select_victims(table, shortfall(limits, before, fs_total, fs_free))
-    by_age = select_victims(table, None, older_than_ns=cutoff) if cutoff is not None else by_size[:0]
+    now = time.time_ns()  # chunks a server's lookup leased to a pending load stay
+    by_size = select_victims(table, shortfall(limits, before, fs_total, fs_free), now_ns=now)
+    by_age = select_victims(table, None, older_than_ns=cutoff, now_ns=now) if cutoff is not None else by_size[:0]
     rows = by_size if by_size.size >= by_age.size else by_age  # both are prefixes of one ranking
     victim_bytes = int(table.nbytes[rows].sum())
     per_ns = Counter(table.arrays[int(table.array[r])].ns_id for r in rows.tolist())

@@ -101,6 +101,7 @@ class ChunkTable:
     parent: np.ndarray  # int64: row of the parent chunk, -1 none
     nbytes: np.ndarray  # int64: file size
     mtime_ns: np.ndarray  # int64: last use
+    leased_until_ns: Optional[np.ndarray] = None  # int64: the file's atime, a lookup's lease (see ``Namespace.touch_many``)
 
     def __len__(self) -> int:
         return int(self.index.size)
@@ -201,17 +202,22 @@ def eviction_order(parent: np.ndarray, mtime_ns: np.ndarray, pinned: Optional[np
     return order[eff[order] != _PINNED], eff
 
 
-def select_victims(table: ChunkTable, bytes_to_free: Optional[int], pinned_rows: Collection[int] = (), older_than_ns: Optional[int] = None) -> np.ndarray:
+def select_victims(table: ChunkTable, bytes_to_free: Optional[int], pinned_rows: Collection[int] = (), older_than_ns: Optional[int] = None,
+                   now_ns: Optional[int] = None) -> np.ndarray:
     """Rows to remove, in removal order (descendants first).
 
     ``bytes_to_free``: stop once at least this many bytes are chosen (``None``: no byte target,
     take everything eligible). ``older_than_ns``: only chunks whose effective recency (their own
     and every stored descendant's last use) is older than this wall-clock time in ns.
+    ``now_ns``: chunks whose lease (``leased_until_ns``) runs past it are pinned, like
+    ``pinned_rows``: a lookup promised them to an engine that has yet to load them.
     Called by ``Budget`` (inline, before a save) and by ``gdskv evict``.
     """
     pinned = np.zeros(len(table), dtype=bool)
     if len(pinned_rows):
         pinned[np.asarray(list(pinned_rows), dtype=np.int64)] = True
+    if now_ns is not None and table.leased_until_ns is not None:
+        pinned |= table.leased_until_ns > now_ns
     order, eff = eviction_order(table.parent, table.mtime_ns, pinned)
     if older_than_ns is not None:
         order = order[eff[order] < older_than_ns]
@@ -288,18 +294,19 @@ def chunk_index_of(ns_id: str, group: int, key: bytes) -> int:
     return (hi << fmt.LO_BITS) | lo
 
 
-def _walk_array(cdir: str) -> tuple[list[int], list[int], list[int], list[int]]:
-    """(index, inode, size, mtime_ns) of every published chunk file under an array's ``c/``.
+def _walk_array(cdir: str) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """(index, inode, size, mtime_ns, atime_ns) of every published chunk file under an array's ``c/``.
     Called by ``scan_store`` per array; a directory or file removed meanwhile (``gc``, another
     process's eviction) is skipped, so a scan on a transfer thread never raises for it."""
     idx: list[int] = []
     ino: list[int] = []
     size: list[int] = []
     mtime: list[int] = []
+    atime: list[int] = []
     try:
         his = list(os.scandir(cdir))
     except FileNotFoundError:
-        return idx, ino, size, mtime
+        return idx, ino, size, mtime, atime
     for hi in his:
         if not hi.name.isdigit():
             continue
@@ -321,7 +328,8 @@ def _walk_array(cdir: str) -> tuple[list[int], list[int], list[int], list[int]]:
                 ino.append(e.inode())
                 size.append(st.st_size)
                 mtime.append(st.st_mtime_ns)
-    return idx, ino, size, mtime
+                atime.append(st.st_atime_ns)
+    return idx, ino, size, mtime, atime
 
 
 def read_trailer(path: str) -> Optional[fmt.Trailer]:
@@ -415,7 +423,7 @@ def scan_store(
     for ns in namespaces if namespaces is not None else store.namespaces():
         for g in ns.spec.groups:
             ref = ArrayRef(ns.id, g.layer_group_id, str(ns.array_path(g.layer_group_id)))
-            idx_l, ino_l, size_l, mtime_l = _walk_array(f"{ref.path}/c")
+            idx_l, ino_l, size_l, mtime_l, atime_l = _walk_array(f"{ref.path}/c")
             idx = np.array(idx_l, dtype=np.uint64)
             ino = np.array(ino_l, dtype=np.uint64)
             if with_parents:
@@ -423,13 +431,14 @@ def scan_store(
             else:
                 parent_idx = np.full(idx.size, NO_PARENT, dtype=np.uint64)
             arrays.append(ref)
-            cols.append((idx, parent_idx, np.array(size_l, dtype=np.int64), np.array(mtime_l, dtype=np.int64)))
+            cols.append((idx, parent_idx, np.array(size_l, dtype=np.int64), np.array(mtime_l, dtype=np.int64),
+                         np.array(atime_l, dtype=np.int64)))
     if not cols:
         empty_i = np.zeros(0, dtype=np.int64)
-        return ChunkTable(arrays, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint64), empty_i, empty_i, empty_i)
+        return ChunkTable(arrays, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint64), empty_i, empty_i, empty_i, empty_i)
     parent_rows = []
     offset = 0
-    for idx, parent_idx, _, _ in cols:
+    for idx, parent_idx, *_ in cols:
         rows = np.full(idx.size, -1, dtype=np.int64)
         if idx.size:
             order = np.argsort(idx)
@@ -445,6 +454,7 @@ def scan_store(
         np.concatenate(parent_rows),
         np.concatenate([c[2] for c in cols]),
         np.concatenate([c[3] for c in cols]),
+        np.concatenate([c[4] for c in cols]),
     )
 
 
@@ -597,7 +607,7 @@ class Budget:
                 with self._state:
                     protect = list(self._pins) + ([ns.chunk_path(group, parent)] if parent is not None else [])
                 pinned = table.rows_of(protect)
-                rows = select_victims(table, need + int(self.headroom * base), pinned)
+                rows = select_victims(table, need + int(self.headroom * base), pinned, now_ns=time.time_ns())
                 done = remove_chunks(self.store, table, rows, lambda p: self._pins[p] > 0, self._state)
                 with self._state:
                     self._used = max(0, (self._used or 0) - done.freed_bytes)

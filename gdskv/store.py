@@ -182,14 +182,20 @@ class Namespace:
     def contains(self, group: int, key: bytes) -> bool:
         return self.contains_many(group, [key])[0]
 
-    def touch_many(self, group: int, keys: Sequence[bytes]) -> int:
+    def touch_many(self, group: int, keys: Sequence[bytes], lease_seconds: float = 0.0) -> int:
         """Refresh recency of the chunks that exist, in the order given (root first gets the
-        oldest of the new stamps). Missing keys are skipped. Returns how many were touched."""
+        oldest of the new stamps). Missing keys are skipped. Returns how many were touched.
+
+        ``lease_seconds``: also lease the chunks to a load that is to follow: their atime is set
+        that far into the future, and eviction (``gdskv.eviction``, in any process) leaves a chunk
+        alone while its atime lies ahead. Called by connectors' lookups (mtime = recency, atime =
+        lease; reads never move an atime forward, so a lease is only ever set here)."""
         now = time.time_ns()
+        lease = int(lease_seconds * 1e9)
         touched = 0
         for i, key in enumerate(keys):
             try:
-                os.utime(self.chunk_path(group, key), ns=(now + i, now + i))
+                os.utime(self.chunk_path(group, key), ns=(now + lease + i, now + i))
                 touched += 1
             except OSError:
                 pass

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from click.testing import CliRunner
 from hypothesis import strategies as st
 
 from gdskv import eviction as ev
+from gdskv.cli.main import main as cli_main
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import Budget, ChunkInfo, Limits, install_budget, pick_victims, scan_store, select_victims, shortfall
 from gdskv.io.posix import PosixEngine
@@ -372,3 +374,25 @@ def test_a_save_does_not_wait_long_for_another_eviction(rig: _Rig) -> None:
         t0 = time.monotonic()
         assert rig.save_chain([900, 901]) == [SaveStatus.DROPPED]
         assert time.monotonic() - t0 < 1.0
+
+
+def test_a_lookup_lease_keeps_chunks_until_their_load(rig: _Rig) -> None:
+    """A connector's lookup leases the chunks it promised (their atime lies ahead): eviction in
+    any process, inline or `gdskv evict`, leaves them and their ancestors alone until it runs out."""
+    leased = [10 + t for t in range(4 * TPB)]
+    rig.save_chain(leased)
+    keys = chain_keys(leased, TPB)
+    assert rig.ns.touch_many(0, keys[:2], lease_seconds=60) == 2
+    install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=3 * CHUNK))
+    for p in range(3):
+        rig.save_chain([1000 * p + t for t in range(4 * TPB)])
+    assert rig.ns.contains_many(0, keys[:2]) == [True, True], "leased prefix survives inline eviction"
+    assert rig.stored_bytes() <= 3 * CHUNK
+    res = CliRunner().invoke(cli_main, ["--store", str(rig.store.root), "evict", "--max-bytes", "0", "--json"])
+    assert res.exit_code in (0, 1), res.output
+    assert rig.ns.contains_many(0, keys[:2]) == [True, True], "and `gdskv evict`"
+    past = time.time_ns() - 1
+    for k in keys[:2]:  # the lease runs out
+        os.utime(rig.ns.chunk_path(0, k), ns=(past, past))
+    CliRunner().invoke(cli_main, ["--store", str(rig.store.root), "evict", "--max-bytes", "0", "--json"])
+    assert rig.ns.contains_many(0, keys[:2]) == [False, False]

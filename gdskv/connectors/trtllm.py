@@ -58,6 +58,9 @@ from gdskv.store import Namespace, NamespaceSpec, PageStore, StoreError
 from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus, page_segments
 
 log = logging.getLogger(__name__)
+LOOKUP_LEASE_SECONDS = 30.0
+"""How long a lookup's served chunks are leased against eviction (any process's) so the load that
+follows finds them: TensorRT-LLM cannot recompute a request whose promised load fails."""
 
 DEFAULT_TOKENS_PER_BLOCK = 32
 """TensorRT-LLM's ``KvCacheConfig.tokens_per_block`` default, used when ``llm_args`` has none."""
@@ -353,7 +356,7 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         if served:
             for ns in self._namespaces or ():
                 for g in range(len(self._windows)):
-                    ns.touch_many(g, served)
+                    ns.touch_many(g, served, lease_seconds=LOOKUP_LEASE_SECONDS)
         self.counters.lookups += 1
         self.counters.lookup_tokens += len(tokens)
         self.counters.matched_tokens += lookup.num_new_tokens
