@@ -11,11 +11,13 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
+from gdskv import format as fmt
 from gdskv.config import ConfigError, GdsKvConfig
 from gdskv.connectors import max as gmax
 from gdskv.connectors.max import GdsKvConnector, GdsKvLookup, LeafMemory, model_from_argv, model_identity
@@ -354,6 +356,18 @@ def test_offload_skips_stored_blocks_and_reports_g0(rig):
     assert isinstance(again, CompletedTransfer) and again.g0_blocks_per_leaf == {}
     s = rig.conn.stats()
     assert (s["blocks_written"], s["bytes_written"], s["offload_blocks_skipped"]) == (3, 3 * BPP, 5)
+
+
+def test_offload_runs_are_chained_to_the_prefix_the_lookup_showed(rig):
+    """MAX offloads a request's blocks a few at a time with no parent for a run's first block;
+    the link comes from the lookup's root-anchored run, so every chunk names its parent and
+    prefix-aware eviction sees one chain."""
+    hashes = [h8(i) for i in range(4)]
+    rig.conn.lookup(hashes)
+    rig.offload({"full": [0, 1]}, hashes[:2])
+    rig.conn.offload({"full": [2, 3]}, {"full": hashes[2:]}).synchronize()
+    parents = [fmt.unpack(Path(rig.chunk("full", h)).read_bytes()[-fmt.TRAILER_BYTES:]).parent_key for h in hashes]
+    assert parents == [None, hashes[0], hashes[1], hashes[2]]
 
 
 def test_offload_dropped_by_budget_is_counted_not_raised(store_path):

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import threading
+from collections import OrderedDict
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,9 +74,35 @@ transfer settles, and at shutdown)."""
 ENV_HOOK = "GDSKV_MAX_HOOK"
 """Set to ``1`` by a process that installed the hook for MAX model workers it spawns; see
 ``install_if_requested``."""
+LINEAGE_CAPACITY = 1 << 16
+"""How many ``block -> parent`` links the connector remembers from the hash runs MAX shows it."""
 LOOKUP_LEASE_SECONDS = 30.0
 """How long the chunks a ``start_lookup`` found stay pinned when neither ``load_lookup`` nor
 ``abandon_lookup`` follows."""
+
+
+class _Lineage:
+    """Recent ``block hash -> parent hash`` links, learnt from the root-anchored runs MAX passes to
+    ``lookup`` / ``start_lookup`` / ``touch`` and from each ``offload`` run. ``offload`` gives a
+    run's first block no parent; this is where it comes from, so prefix-aware eviction sees
+    whole chains. Bounded (least recently learnt forgotten first); thread-safe."""
+
+    def __init__(self, capacity: int = LINEAGE_CAPACITY) -> None:
+        self._parent: OrderedDict[bytes, bytes] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def learn(self, run: Sequence[bytes]) -> None:
+        with self._lock:
+            for parent, child in zip(run, run[1:]):
+                self._parent[child] = parent
+                self._parent.move_to_end(child)
+            while len(self._parent) > self._capacity:
+                self._parent.popitem(last=False)
+
+    def parent_of(self, key: bytes) -> Optional[bytes]:
+        with self._lock:
+            return self._parent.get(key)
 
 
 # --- plain data ---------------------------------------------------------------------------------
@@ -229,6 +256,7 @@ class GdsKvConnector:
         self._lookups = ThreadPoolExecutor(2, thread_name_prefix="gdskv-max-lookup")
         self._background = ThreadPoolExecutor(1, thread_name_prefix="gdskv-max-bg")
         self._lock = threading.Lock()
+        self._lineage = _Lineage()
         self._window = _Counts()
         self._total = _Counts()
         self._inflight = 0
@@ -271,6 +299,7 @@ class GdsKvConnector:
         Called by MAX's cache manager when it admits a request (``alloc``), before ``load``."""
         keys = _keys(block_hashes)
         self._replica(replica_idx)
+        self._lineage.learn(keys)
         self._count(lookups=1)
         return self._presence(keys)
 
@@ -301,6 +330,7 @@ class GdsKvConnector:
         completes."""
         keys = _keys(block_hashes)
         self._replica(replica_idx)
+        self._lineage.learn(keys)
         handle = GdsKvLookup(keys, replica_idx, time.monotonic() + LOOKUP_LEASE_SECONDS)
         with self._lock:
             self._live_lookups.add(handle)
@@ -406,11 +436,13 @@ class GdsKvConnector:
                 continue
             stored = self._present_all_shards(leaf, [k for _, k in pairs])
             chained = not self._leaves[leaf].is_recurrent()
+            if chained:
+                self._lineage.learn([k for _, k in pairs])
             for i, ((bid, key), have) in enumerate(zip(pairs, stored)):
                 if have:
                     skipped += 1
                     continue
-                parent = pairs[i - 1][1] if chained and i > 0 else None
+                parent = (pairs[i - 1][1] if i > 0 else self._lineage.parent_of(key)) if chained else None
                 work.extend((leaf, bid, shard, key, parent, mem[leaf].page(shard, bid)) for shard in self._store_shards(leaf))
                 taken.setdefault(leaf, []).append(bid)
         self._count(offload_blocks_skipped=skipped)
@@ -636,6 +668,7 @@ class GdsKvConnector:
         except (TypeError, ValueError) as e:
             log.debug("gdskv: touch ignored: %s", e)
             return
+        self._lineage.learn(keys)
         for leaf in self._leaves:
             for shard in self._store_shards(leaf):
                 self._namespaces[shard].touch_many(self._gid[leaf], keys)
