@@ -53,7 +53,7 @@ class GdsKvConfig:
     store_path: str = field(default_factory=default_store_path)
     engine: str = "auto"
     io_threads: int = 8
-    o_direct: str = "writes"
+    o_direct: str = "all"
     fsync: bool = False
     kvikio_threads: int = 4
     kvikio_task_size: int = 4 << 20

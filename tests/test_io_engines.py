@@ -19,6 +19,7 @@ import torch
 
 from gdskv.io.base import IoEngine, Segment, ShortReadError
 from gdskv.io.capabilities import cuda_driver_present, kvikio_available
+from gdskv.io import posix
 from gdskv.io.posix import PosixEngine, aligned_host_buffer
 
 try:
@@ -219,10 +220,11 @@ def test_store_bench_runs_and_reports_ratios(driver: str, tmp_path: Path) -> Non
     from gdskv.bench import BenchOptions, format_report, run
 
     options = BenchOptions(directory=str(tmp_path), total_bytes=4 * MiB, page_sizes=(1 * MiB,), rounds=1,
-                           engines=("posix", "posix+direct_writes", "kvikio"))
+                           engines=("posix", "posix+o_direct", "posix+direct_writes", "kvikio"))
     report = run(options)
     subjects = {row["subject"] for row in report["results"]}
-    assert subjects == {"raw", "raw+o_direct", "torch.save", "store:posix", "store:posix+direct_writes", "store:kvikio"}
+    assert subjects == {"raw", "raw+o_direct", "torch.save", "store:posix", "store:posix+o_direct",
+                        "store:posix+direct_writes", "store:kvikio"}
     store_row = next(r for r in report["results"] if r["subject"] == "store:kvikio")
     assert set(store_row["vs_raw"]) == {"save", "load_cold", "load_warm"} and store_row["save_gbps"] > 0
     assert "store:kvikio" in format_report(report)
@@ -261,3 +263,91 @@ def test_calling_thread_forms_match_the_futures(engine: IoEngine, tmp_path: Path
     os.truncate(path, 64 * KiB + 100)
     with pytest.raises(OSError):
         engine.read_now(path, [Segment(0, back[0]), Segment(64 * KiB, back[1]), Segment(64 * KiB + 3000, tail)])
+
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache, by ``mincore(2)`` on a private mapping of it: a check
+    independent of the engine's own ``cachestat`` probe."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    npages = -(-size // mmap.PAGESIZE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_PRIVATE, fd, 0)
+        vec = (ctypes.c_ubyte * npages)()
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, ctypes.get_errno()
+        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec)
+
+
+def _drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["huge-page-pool", "torch-tensor"])
+def test_cold_chunks_are_read_direct_and_cached_ones_from_the_cache(tmp_path: Path, aligned: bool) -> None:
+    """With direct reads, a chunk not in the page cache is read with O_DIRECT (it stays out of the
+    cache), the unaligned trailer and unaligned page memory coming through the staging buffer; a
+    chunk in the cache is read from it. The buffered engine fills the cache on a cold read."""
+    nbytes = 1 * MiB
+    page = _random_bytes(nbytes, seed=5)
+    trailer = os.urandom(128)
+    path = str(tmp_path / "chunk")
+    buffered, direct = PosixEngine(threads=1), PosixEngine(threads=1, o_direct=True)
+    try:
+        buffered.write_now(path, [Segment(0, page), Segment(nbytes, trailer)])
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        _drop_cache(path)
+        if _resident_pages(path):
+            pytest.skip("this file system keeps the file's pages cached after POSIX_FADV_DONTNEED")
+
+        back = _aligned_tensor(nbytes) if aligned else torch.zeros(nbytes, dtype=torch.uint8)
+        back.zero_()
+        tail = bytearray(128)
+        assert direct.read_now(path, [Segment(0, back), Segment(nbytes, tail)]) == nbytes + 128
+        assert torch.equal(back, page) and bytes(tail) == trailer
+        assert _resident_pages(path) == 0, "a cold chunk must be read with O_DIRECT"
+
+        back.zero_()
+        assert buffered.read_now(path, [Segment(0, back), Segment(nbytes, tail)]) == nbytes + 128
+        assert torch.equal(back, page)
+        assert _resident_pages(path) == -(-(nbytes + 128) // 4096)
+        fd = os.open(path, os.O_RDONLY)
+        try:  # the probe that sends this read to the cache (False where the kernel lacks cachestat)
+            assert posix._cached(fd, [Segment(0, back), Segment(nbytes, tail)]) == posix._cachestat_works
+        finally:
+            os.close(fd)
+
+        back.zero_()
+        assert direct.read_now(path, [Segment(0, back), Segment(nbytes, tail)]) == nbytes + 128
+        assert torch.equal(back, page) and bytes(tail) == trailer
+    finally:
+        buffered.close()
+        direct.close()
+
+
+def test_direct_read_of_a_truncated_chunk_is_a_short_read(tmp_path: Path) -> None:
+    path = str(tmp_path / "chunk")
+    nbytes = 64 * KiB
+    engine = PosixEngine(threads=1, o_direct=True)
+    try:
+        engine.write_now(path, [Segment(0, _aligned_tensor(nbytes)), Segment(nbytes, os.urandom(128))])
+        os.truncate(path, nbytes + 100)
+        _drop_cache(path)
+        with pytest.raises(ShortReadError):
+            engine.read_now(path, [Segment(0, _aligned_tensor(nbytes)), Segment(nbytes, bytearray(128))])
+    finally:
+        engine.close()
