@@ -43,7 +43,7 @@ KiB, MiB = 1 << 10, 1 << 20
 DEVICE = "cuda"  # --device cpu runs the same checks on host memory (a dry run of this script)
 
 
-ENGINE_LABELS = ("posix", "posix+direct_writes", "posix+o_direct", "kvikio")  # see gdskv.bench.bench_engine
+ENGINE_LABELS = ("posix", "posix+direct_writes", "posix+o_direct", "kvikio+o_direct")  # see gdskv.bench.bench_engine
 
 
 def engines(workdir: Path) -> dict[str, IoEngine]:

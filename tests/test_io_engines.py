@@ -351,3 +351,70 @@ def test_direct_read_of_a_truncated_chunk_is_a_short_read(tmp_path: Path) -> Non
             engine.read_now(path, [Segment(0, _aligned_tensor(nbytes)), Segment(nbytes, bytearray(128))])
     finally:
         engine.close()
+
+
+def test_kvikio_follows_the_o_direct_setting(driver: str, tmp_path: Path) -> None:
+    """``o_direct = "all"`` makes kvikio read page-aligned memory with O_DIRECT in compat mode (a
+    cold chunk stays out of the page cache); ``"off"`` turns its direct writes off too."""
+    import kvikio.defaults
+
+    from gdskv.config import GdsKvConfig
+    from gdskv.io import make_engine
+
+    nbytes = 1 * MiB
+    page = _aligned_tensor(nbytes)
+    page.copy_(_random_bytes(nbytes, seed=9))
+    path = str(tmp_path / "chunk")
+    try:
+        engine = make_engine(GdsKvConfig(store_path=str(tmp_path), engine="kvikio", o_direct="all"))
+        assert kvikio.defaults.get("auto_direct_io_read") and kvikio.defaults.get("auto_direct_io_write")
+        engine.write_now(path, [Segment(0, page), Segment(nbytes, os.urandom(128))])
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        _drop_cache(path)
+        back = _aligned_tensor(nbytes)
+        back.zero_()
+        engine.read_now(path, [Segment(0, back), Segment(nbytes, bytearray(128))])
+        assert torch.equal(back, page)
+        if driver == "double" or not engine.gds_active:
+            assert _resident_pages(path) <= 1, "only the buffered trailer may be cached"
+        engine.close()
+        make_engine(GdsKvConfig(store_path=str(tmp_path), engine="kvikio", o_direct="off")).close()
+        assert not kvikio.defaults.get("auto_direct_io_read") and not kvikio.defaults.get("auto_direct_io_write")
+    finally:  # back to the settings of the module's kvikio engine
+        from gdskv.io.kvikio_engine import KvikioEngine
+
+        KvikioEngine(threads=4, task_size=1 * MiB).close()
+
+
+def _extents(path: str) -> list[tuple[int, int, int]]:
+    """``(logical, physical, length)`` of each extent of ``path`` by the FIEMAP ioctl."""
+    import fcntl
+    import struct
+
+    count = 16
+    req = bytearray(32 + 56 * count)
+    struct.pack_into("QQIIII", req, 0, 0, 2**64 - 1, 1, 0, count, 0)  # FIEMAP_FLAG_SYNC
+    with open(path, "rb") as f:
+        fcntl.ioctl(f.fileno(), 0xC020660B, req, True)  # FS_IOC_FIEMAP
+    mapped = struct.unpack_from("I", req, 20)[0]
+    return [struct.unpack_from("QQQ", req, 32 + 56 * i) for i in range(mapped)]
+
+
+def test_direct_writes_lay_a_chunk_out_in_one_piece(tmp_path: Path) -> None:
+    """The payload goes with O_DIRECT and the trailer through the page cache; the file's blocks
+    are allocated together first, so a cold load is one device request, not two far apart."""
+    path = str(tmp_path / "chunk")
+    nbytes = 1 * MiB
+    engine = PosixEngine(threads=1, o_direct=True)
+    try:
+        engine.write_now(path, [Segment(0, _aligned_tensor(nbytes)), Segment(nbytes, os.urandom(128))])
+    finally:
+        engine.close()
+    try:
+        extents = _extents(path)
+    except OSError:
+        pytest.skip("this file system has no FIEMAP")
+    assert sum(length for _, _, length in extents) >= nbytes + 128
+    for (log_a, phys_a, len_a), (log_b, phys_b, _) in zip(extents, extents[1:]):
+        assert log_b == log_a + len_a and phys_b == phys_a + len_a, f"chunk split on disk: {extents}"

@@ -21,5 +21,6 @@ def make_engine(cfg: GdsKvConfig) -> IoEngine:
             raise ConfigError("gdskv config: engine = 'kvikio' but kvikio is not installed (pip install 'gdskv[cu12]' or 'gdskv[cu13]')")
         from gdskv.io.kvikio_engine import KvikioEngine
 
-        return KvikioEngine(threads=cfg.kvikio_threads, task_size=cfg.kvikio_task_size, fsync=cfg.fsync)
+        return KvikioEngine(threads=cfg.kvikio_threads, task_size=cfg.kvikio_task_size, fsync=cfg.fsync,
+                            direct_writes=cfg.o_direct != "off", direct_reads=cfg.o_direct == "all")
     return PosixEngine(threads=cfg.io_threads, o_direct=cfg.o_direct != "off", fsync=cfg.fsync, direct_reads=cfg.o_direct == "all")

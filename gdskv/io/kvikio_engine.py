@@ -21,10 +21,10 @@ reads ``__cuda_array_interface__``; with GDS it DMAs straight into device memory
 bounces through its own pinned buffers). Both are viewed as ``uint8`` first so any dtype (bf16
 included) passes.
 
-kvikio's thread pool and task size are process-wide settings: the last engine constructed in a
-process sets them for every engine in it. kvikio's other defaults are kept: in compat mode it
-writes page-aligned host memory with O_DIRECT (a save is on the device when its future resolves,
-and the fastest durable save measured here) and reads through the page cache.
+kvikio's thread pool, task size and direct-I/O policy are process-wide settings: the last engine
+constructed in a process sets them for every engine in it. The policy follows the config's
+``o_direct`` as the POSIX engine's does: in compat mode kvikio moves page-aligned host memory with
+O_DIRECT for writes (``writes``, ``all``) and reads (``all``); GDS bypasses the page cache anyway.
 """
 from __future__ import annotations
 
@@ -48,11 +48,14 @@ class KvikioEngine(IoEngine):
 
     name = "kvikio"
 
-    def __init__(self, threads: int = 4, task_size: int = 4 << 20, fsync: bool = False) -> None:
+    def __init__(self, threads: int = 4, task_size: int = 4 << 20, fsync: bool = False,
+                 direct_writes: bool = True, direct_reads: bool = False) -> None:
         """``threads``: kvikio's thread pool size, and the number of ``read``/``write`` calls in
         flight at once (``read_now``/``write_now`` run on their callers' threads).
         ``task_size``: the bytes one kvikio task moves (a segment is split into tasks of this size).
         ``fsync``: flush each written file to the device before the call returns.
+        ``direct_writes``/``direct_reads``: kvikio's ``auto_direct_io_write``/``_read`` (compat
+        mode: O_DIRECT for page-aligned host memory), where this kvikio has them.
         """
         import kvikio
         import kvikio.defaults
@@ -63,6 +66,12 @@ class KvikioEngine(IoEngine):
             kvikio.defaults.set("num_threads", threads)
         if kvikio.defaults.get("task_size") != task_size:
             kvikio.defaults.set("task_size", task_size)
+        for setting, value in (("auto_direct_io_write", direct_writes), ("auto_direct_io_read", direct_reads)):
+            try:
+                if kvikio.defaults.get(setting) != value:
+                    kvikio.defaults.set(setting, value)
+            except (KeyError, ValueError, RuntimeError):  # a kvikio before these settings
+                pass
         self._kvikio = kvikio
         self.threads = threads
         self.task_size = task_size
