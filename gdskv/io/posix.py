@@ -327,7 +327,6 @@ def aligned_host_buffer(nbytes: int) -> memoryview:
     Called for the staging buffers of CPU-only processes, by ``gdskv.bench.page_pool`` for the
     benchmark's page pools and by the engine tests (torch's own CPU allocations are only 64-byte
     aligned)."""
-    nbytes = max(nbytes, 1)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
