@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import enum
 import errno
+import itertools
 import logging
 import os
-import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -97,6 +97,7 @@ class PageTransfer:
         self._last_flush = time.monotonic()
         self._warned: dict[str, float] = {}
         self._warn_lock = threading.Lock()
+        self._tmp_seq = itertools.count()  # temp names unique within the process, no syscall
 
     # --- saves --------------------------------------------------------------------------------
     def save_page(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[torch.Tensor],
@@ -128,7 +129,7 @@ class PageTransfer:
             return SaveStatus.DROPPED
         algo, checksum = payload_checksum(segments, self._checksum)
         trailer = fmt.pack(fmt.Trailer(group, nbytes, checksum, ns.store_key(group, key), key, parent, algo))
-        tmp = f"{path}{fmt.TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}"
+        tmp = f"{path}{fmt.TMP_MARK}{os.getpid()}.{next(self._tmp_seq):x}"
         segs, off = [], 0
         for s in segments:
             segs.append(Segment(off, s))
@@ -152,10 +153,10 @@ class PageTransfer:
         return SaveStatus.PUBLISHED
 
     def _write_and_publish(self, tmp: str, path: str, segs: list[Segment]) -> None:
-        """Write the temp file and rename it into place. ``gdskv gc`` may remove an empty chunk
-        directory between our ``makedirs`` and the write; then the directory is made once more."""
+        """Write the temp file and rename it into place. The chunk's directory is made only when
+        the write finds it missing (a store in service has it: no syscalls spent per save); when
+        ``gdskv gc`` removes an empty directory between that and the write, the save is dropped."""
         for attempt in (0, 1):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
             try:
                 self.engine.write_now(tmp, segs)
                 os.replace(tmp, path)
@@ -163,6 +164,7 @@ class PageTransfer:
             except FileNotFoundError:
                 if attempt:
                     raise
+                os.makedirs(os.path.dirname(path), exist_ok=True)
 
     # --- loads --------------------------------------------------------------------------------
     def load_page(self, group: int, key: bytes, segments: Sequence[torch.Tensor]) -> "Future[LoadStatus]":
