@@ -372,6 +372,8 @@ def test_kvikio_follows_the_o_direct_setting(driver: str, tmp_path: Path) -> Non
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         _drop_cache(path)
+        if _resident_pages(path):
+            pytest.skip("this file system keeps the file's pages cached after POSIX_FADV_DONTNEED")
         back = _aligned_tensor(nbytes)
         back.zero_()
         engine.read_now(path, [Segment(0, back), Segment(nbytes, bytearray(128))])
