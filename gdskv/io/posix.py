@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -83,12 +84,15 @@ class PosixEngine(IoEngine):
         return self._pool.submit(self.write_now, path, list(segments))
 
     def read_now(self, path: str, segments: Sequence[Segment]) -> int:
-        fd = os.open(path, os.O_RDONLY)
+        fd = self._open_direct(path, os.O_RDONLY) if self.direct_reads and _direct_candidate(segments) else None
+        direct = fd is not None
+        if not direct:
+            fd = os.open(path, os.O_RDONLY)
         try:
-            if self.direct_reads and _direct_candidate(segments) and not _cached(fd, segments):
-                n = self._read_direct(path, segments)
-                if n is not None:
-                    return n
+            if direct:
+                if not _cached(fd, segments):
+                    return self._read_direct(path, fd, segments)
+                fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # a cached chunk: this descriptor reads it from the cache
             views = _host_views_end_to_end(segments)
             if views is not None:
                 return _read_exactly(path, fd, views, segments[0].file_offset)
@@ -102,45 +106,39 @@ class PosixEngine(IoEngine):
         finally:
             os.close(fd)
 
-    def _read_direct(self, path: str, segments: Sequence[Segment]) -> Optional[int]:
-        """Read end-to-end ``segments`` (the first at an aligned offset) with one ``O_DIRECT``
-        ``preadv``: the leading aligned host segments in place, the rest into the staging buffer
-        (rounded up to ``ALIGN``; the file's end cuts the read short) and copied out. None when
-        the file system refuses ``O_DIRECT``. Runs once per cold page: kept to a few Python
-        operations, since under many transfer threads every one of them delays the next request."""
-        dfd = self._open_direct(path, os.O_RDONLY)
-        if dfd is None:
-            return None
-        try:
-            iov: list[memoryview] = []
-            k = 0
-            for seg in segments:
-                view = _direct_view(seg.buf)
-                if view is None:
-                    break
-                iov.append(view)
-                k += 1
-            rest = segments[k:]
-            want = sum(seg.nbytes for seg in segments)
-            tail = want - sum(v.nbytes for v in iov)
-            if rest:
-                span = -(-tail // ALIGN) * ALIGN
-                staged, staged_view = self._staging_pair(span)
-                iov.append(staged_view[:span])
-            n = os.preadv(dfd, iov, segments[0].file_offset)
-            if n < want:  # a regular file reads short only at its end
-                raise ShortReadError(f"{path}: wanted {want} bytes at {segments[0].file_offset}, file had {n}")
-            pos = 0
-            for seg in rest:
-                nbytes = seg.nbytes
-                if _on_device(seg.buf):
-                    tensor_bytes(seg.buf).copy_(staged[pos:pos + nbytes])
-                else:
-                    host_view(seg.buf)[:] = staged_view[pos:pos + nbytes]
-                pos += nbytes
-            return want
-        finally:
-            os.close(dfd)
+    def _read_direct(self, path: str, dfd: int, segments: Sequence[Segment]) -> int:
+        """Read end-to-end ``segments`` (the first at an aligned offset) through the ``O_DIRECT``
+        descriptor ``dfd`` with one ``preadv``: the leading aligned host segments in place, the
+        rest into the staging buffer (rounded up to ``ALIGN``; the file's end cuts the read
+        short) and copied out. Runs once per cold page: kept to a few Python operations, since
+        under many transfer threads every one of them delays the next request."""
+        iov: list[memoryview] = []
+        k = 0
+        for seg in segments:
+            view = _direct_view(seg.buf)
+            if view is None:
+                break
+            iov.append(view)
+            k += 1
+        rest = segments[k:]
+        want = sum(seg.nbytes for seg in segments)
+        tail = want - sum(v.nbytes for v in iov)
+        if rest:
+            span = -(-tail // ALIGN) * ALIGN
+            staged, staged_view = self._staging_pair(span)
+            iov.append(staged_view[:span])
+        n = os.preadv(dfd, iov, segments[0].file_offset)
+        if n < want:  # a regular file reads short only at its end
+            raise ShortReadError(f"{path}: wanted {want} bytes at {segments[0].file_offset}, file had {n}")
+        pos = 0
+        for seg in rest:
+            nbytes = seg.nbytes
+            if _on_device(seg.buf):
+                tensor_bytes(seg.buf).copy_(staged[pos:pos + nbytes])
+            else:
+                host_view(seg.buf)[:] = staged_view[pos:pos + nbytes]
+            pos += nbytes
+        return want
 
     def write_now(self, path: str, segments: Sequence[Segment]) -> int:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -226,16 +224,20 @@ def _direct_view(buf: Buffer) -> Optional[memoryview]:
     return view if _aligned(view, 0) else None
 
 
-def _direct_candidate(segments: Sequence[Segment]) -> bool:
-    """Whether ``_read_direct`` can take these segments: end to end from an aligned offset."""
-    if not segments or segments[0].file_offset % ALIGN:
-        return False
-    pos = segments[0].file_offset
+def _end_to_end(segments: Sequence[Segment]) -> bool:
+    """Whether each segment starts in the file where the previous one ends (a chunk's regions
+    and trailer), so one call can move them all."""
+    pos = segments[0].file_offset if segments else 0
     for seg in segments:
         if seg.file_offset != pos:
             return False
         pos += seg.nbytes
     return True
+
+
+def _direct_candidate(segments: Sequence[Segment]) -> bool:
+    """Whether ``_read_direct`` can take these segments: end to end from an aligned offset."""
+    return bool(segments) and segments[0].file_offset % ALIGN == 0 and _end_to_end(segments)
 
 
 class _CacheStatRange(ctypes.Structure):
@@ -273,14 +275,9 @@ def _cached(fd: int, segments: Sequence[Segment]) -> bool:
 def _host_views_end_to_end(segments: Sequence[Segment]) -> Optional[list[memoryview]]:
     """Byte views of the segments when all are host memory and each starts where the previous
     one ends in the file (a chunk's regions and trailer), so one call moves them all; else None."""
-    views: list[memoryview] = []
-    pos = segments[0].file_offset if segments else 0
-    for seg in segments:
-        if seg.file_offset != pos or _on_device(seg.buf):
-            return None
-        views.append(host_view(seg.buf))
-        pos += views[-1].nbytes
-    return views or None
+    if not segments or not _end_to_end(segments) or any(_on_device(seg.buf) for seg in segments):
+        return None
+    return [host_view(seg.buf) for seg in segments]
 
 
 def _read_exactly(path: str, fd: int, views: list[memoryview], offset: int) -> int:
