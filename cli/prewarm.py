@@ -18,9 +18,11 @@ error) are reported and skipped; the others go on. Exit 1 when any prompt failed
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,17 +50,73 @@ class Prompt:
     error: Optional[str] = None
 
 
+def _not_utf8(e: UnicodeDecodeError, base: int = 0) -> str:
+    return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {base + e.start})"
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a plain file"
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes; ValueError (the reason, for a failed prompt) when it cannot be read. Only a
+    regular file is opened, and without blocking: a FIFO named ``x.txt`` is refused, not waited on."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"not a regular file ({_file_kind(st.st_mode)})")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)  # what was opened: the path may have changed since the stat
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"not a regular file ({_file_kind(st.st_mode)})")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read()
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ValueError(f"cannot read: {e.strerror or e}") from None
+
+
 def _read_txt(path: Path) -> list[Prompt]:
-    paragraphs = re.split(r"\n[ \t]*\n", path.read_text(encoding="utf-8"))
+    try:
+        data = _read_bytes(path)
+        text = data.decode("utf-8").removeprefix("\ufeff")  # a byte order mark is not prompt text
+    except ValueError as e:  # UnicodeDecodeError included: a .txt that is not text is one failure
+        return [Prompt(str(path), error=_not_utf8(e) if isinstance(e, UnicodeDecodeError) else str(e))]
+    paragraphs = re.split(r"\n[ \t]*\n", text)
     return [Prompt(f"{path}#{i + 1}", text=p.strip()) for i, p in enumerate(p for p in paragraphs if p.strip())]
 
 
 def _read_jsonl(path: Path) -> list[Prompt]:
-    out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    """One prompt per non-blank line (split on ``\\n`` only). A line that is not UTF-8 fails alone;
+    a file that is not UTF-8 and holds NUL bytes (binary, UTF-16) is one failure."""
+    try:
+        data = _read_bytes(path)
+    except ValueError as e:
+        return [Prompt(str(path), error=str(e))]
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if b"\0" in data:
+            return [Prompt(str(path), error=_not_utf8(e))]
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = b"   " + data[3:]  # a UTF-8 byte order mark: blanked, offsets unchanged
+    out, offset = [], 0
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        start, offset = offset, offset + len(raw) + 1
+        src = f"{path}:{n}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            out.append(Prompt(src, error=_not_utf8(e, start)))
+            continue
         if not line.strip():
             continue
-        src = f"{path}:{n}"
         try:
             obj = json.loads(line)
         except ValueError as e:
@@ -74,16 +132,30 @@ def _read_jsonl(path: Path) -> list[Prompt]:
 
 
 def read_prompts(paths: Sequence[str]) -> list[Prompt]:
-    """Every prompt of the given files and directories, in order; a usage error for other paths."""
+    """Every prompt of the given files and directories, in order; a usage error for a path that does
+    not exist, a file that is not ``.txt`` / ``.jsonl`` or a directory without any. A file that
+    cannot be read (not a regular file, permission denied, not UTF-8) is a failed prompt."""
     out: list[Prompt] = []
     for raw in paths:
         p = Path(raw)
-        files = sorted(f for f in p.iterdir() if f.suffix in (".txt", ".jsonl") and f.is_file()) if p.is_dir() else [p]
-        if p.is_dir() and not files:
-            raise UsageProblem(f"{p} has no .txt or .jsonl files")
+        try:
+            is_dir = stat.S_ISDIR(os.stat(p).st_mode)
+        except FileNotFoundError:
+            raise UsageProblem(f"{p} does not exist") from None
+        except OSError as e:
+            out.append(Prompt(str(p), error=f"cannot read: {e.strerror or e}"))
+            continue
+        if is_dir:
+            try:
+                files = sorted(f for f in p.iterdir() if f.suffix in (".txt", ".jsonl"))
+            except OSError as e:
+                out.append(Prompt(str(p), error=f"cannot list the directory: {e.strerror or e}"))
+                continue
+            if not files:
+                raise UsageProblem(f"{p} has no .txt or .jsonl files")
+        else:
+            files = [p]
         for f in files:
-            if not f.is_file():
-                raise UsageProblem(f"{f} does not exist")
             if f.suffix == ".txt":
                 out += _read_txt(f)
             elif f.suffix == ".jsonl":
@@ -130,7 +202,10 @@ class HfTokenizer:
             from transformers import AutoTokenizer
         except ImportError:
             raise UsageProblem("--tokenizer needs the transformers package (pip install transformers)") from None
-        return cls(AutoTokenizer.from_pretrained(name))
+        try:
+            return cls(AutoTokenizer.from_pretrained(name))
+        except (OSError, ValueError) as e:  # not found, no network, not a tokenizer
+            raise UsageProblem(f"--tokenizer {name}: {' '.join(str(e).split())}") from None
 
     @property
     def vocab_size(self) -> int:
@@ -230,6 +305,10 @@ class _ReferenceRunner:
     def __init__(self, cfg: GdsKvConfig, tok: Tokenizer, max_tokens: int, salt: Optional[str]) -> None:
         self.tok, self.max_tokens, self.salt = tok, max_tokens, salt
         self.stack = reference_stack(cfg, tok.vocab_size, max_tokens)
+        if self.stack.worker.namespace is None:  # the worker logged why (an OSError on the store)
+            self.stack.close()
+            raise UsageProblem(f"the connector could not use the store {cfg.store_path} (see the error above); refusing to "
+                               f"run prompts that would write nothing. {_STORE_HINT}")
 
     def run(self, prompt: Prompt) -> Outcome:
         ids = _tokenize(self.tok, prompt, self.max_tokens)
@@ -338,18 +417,54 @@ class _MaxRunner:
         del self.llm
 
 
+_STORE_HINT = "Pass --store PATH or set GDSKV_STORE."
+
+
+def check_store(cfg: GdsKvConfig) -> None:
+    """Open (creating it where missing) the store prewarm writes to, before any engine is built: a
+    path that is not a gdskv store and cannot become one is a usage problem, reported in one line."""
+    from gdskv.store import PageStore, StoreError
+
+    root = Path(cfg.store_path)
+    try:
+        if root.exists() and not root.is_dir():
+            raise UsageProblem(f"{root} is not a gdskv store (it is a file, not a directory); refusing to use it. {_STORE_HINT}")
+        PageStore.open(root, create=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except StoreError as e:
+        raise UsageProblem(f"{e}. {_STORE_HINT}") from None
+    except (OSError, ValueError) as e:  # ValueError: an unreadable zarr.json
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise UsageProblem(f"{root} is not a gdskv store and cannot be one here ({why}); refusing to use it. {_STORE_HINT}") from None
+
+
 def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Optional[str], max_tokens: int, salt: Optional[str]) -> _Runner:
+    """The engine's runner, its options checked first, then the store (``check_store``), then the
+    engine built; an error of the store or the connector at bring-up is a one-line usage problem."""
     if engine == "reference":
         if model not in (None, "reference"):
             raise UsageProblem("--engine reference runs its own model: leave --model out (or pass 'reference')")
-        return _ReferenceRunner(cfg, HfTokenizer.load(tokenizer) if tokenizer else ByteTokenizer(), max_tokens, salt)
-    if salt is not None:
+    elif salt is not None:
         raise UsageProblem(f"--cache-salt is only supported with --engine reference (pass the salt through {engine}'s own request API)")
-    if not model:
+    elif not model:
         raise UsageProblem(f"--engine {engine} needs --model")
-    if engine == "trtllm":
-        return _TrtllmRunner(cfg, model, tokenizer, max_tokens)
-    return _MaxRunner(cfg, model, max_tokens)
+    tok = (HfTokenizer.load(tokenizer) if tokenizer else ByteTokenizer()) if engine == "reference" else None
+    check_store(cfg)
+    from gdskv.connectors.trtllm import ConnectorSetupError
+    from gdskv.store import StoreError
+
+    try:
+        if engine == "reference":
+            assert tok is not None
+            runner: _Runner = _ReferenceRunner(cfg, tok, max_tokens, salt)
+        elif engine == "trtllm":
+            runner = _TrtllmRunner(cfg, model or "", tokenizer, max_tokens)
+        else:
+            runner = _MaxRunner(cfg, model or "", max_tokens)
+    except (ConnectorSetupError, StoreError, OSError) as e:
+        raise UsageProblem(f"cannot start the {engine} engine on the store {cfg.store_path}: {' '.join(str(e).split())}") from None
+    return runner
 
 
 @click.command()
@@ -365,7 +480,7 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
             cache_salt: Optional[str], max_tokens: int, as_json: bool) -> None:
     """Prefill prompts from files through an engine with the connector, so their KV is stored."""
     cfg = config_of(ctx)
-    items = read_prompts(prompts)
+    items = read_prompts(prompts)  # before the store: a usage error here creates no store
     runner = _runner(engine, cfg, model, tokenizer, max_tokens, cache_salt)
     summary = Summary(engine, prompts=len(items), blocks_present=0 if engine == "reference" else None)
     console = Console(stderr=True)
