@@ -3,7 +3,10 @@
 Uses the same policy as the inline budget (``gdskv.eviction``): chunks go in increasing effective
 recency (their own last use and every stored descendant's), deeper first, so a block never goes
 while a descendant of it stays. Safe while servers use the store: a load that opened a chunk
-before it was unlinked reads it whole; one that comes after finds it missing (a miss).
+before it was unlinked reads it whole; one that comes after finds it missing (a miss), and a chunk
+a lookup leased meanwhile stays. Every array on disk is scanned, those of namespaces with damaged
+metadata too. Exit codes: 0 done, 1 over budget afterwards or removals failed (or the store could
+not be read), 2 usage.
 """
 from __future__ import annotations
 
@@ -15,8 +18,20 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from gdskv.cli._common import UsageProblem, human_bytes, open_existing, parse_duration, parse_size_or_percent, print_json, select_namespaces
-from gdskv.eviction import Limits, disk_usage, remove_chunks, scan_store, select_victims, shortfall
+from gdskv.cli._common import UsageProblem, human_bytes, open_existing, parse_duration, parse_size_or_percent, print_json
+from gdskv.eviction import Limits, disk_usage, namespace_ids_matching, remove_chunks, scan_store, select_victims, shortfall
+from gdskv.store import PageStore
+
+
+def selected_ids(store: PageStore, wanted: Optional[str]) -> Optional[list[str]]:
+    """``--namespace``: None for all, else the ids it matches (damaged namespaces included)."""
+    if wanted is None:
+        return None
+    ids = namespace_ids_matching(store, wanted)
+    if not ids:
+        have = [ns.id for ns in store.namespaces()] + [i for i, _ in store.damaged_namespaces()]
+        raise UsageProblem(f"no namespace matches {wanted!r} (have: {', '.join(have) or 'none'})")
+    return ids
 
 
 @click.command()
@@ -29,6 +44,13 @@ from gdskv.eviction import Limits, disk_usage, remove_chunks, scan_store, select
 def evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[str], namespace: Optional[str], dry_run: bool, as_json: bool) -> None:
     """Remove least recently used chunks, deepest first. Without --max-bytes / --older-than, the
     config's max_bytes and free-space floor apply."""
+    try:
+        _evict(ctx, max_bytes, older_than, namespace, dry_run, as_json)
+    except (OSError, ValueError) as e:  # one line, never a traceback
+        raise click.ClickException(f"evict: {e}") from None
+
+
+def _evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[str], namespace: Optional[str], dry_run: bool, as_json: bool) -> None:
     cfg, store = open_existing(ctx)
     fs_total, fs_free = disk_usage(str(store.root))
     limit = parse_size_or_percent(max_bytes, fs_total) if max_bytes is not None else None
@@ -39,7 +61,7 @@ def evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[str
         limits = Limits.of(cfg)
         if not limits.active:
             raise UsageProblem("nothing to evict against: give --max-bytes and/or --older-than, or set max_bytes / min_free_* in the config")
-    table = scan_store(store, select_namespaces(store, namespace))
+    table = scan_store(store, selected_ids(store, namespace))
     before = table.total_bytes
     now = time.time_ns()  # chunks a server's lookup leased to a pending load stay
     by_size = select_victims(table, shortfall(limits, before, fs_total, fs_free), now_ns=now)
@@ -55,7 +77,8 @@ def evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[str
         done = remove_chunks(store, table, rows)
         store.flush_stats()
         freed = done.freed_bytes
-        rep |= {"removed": done.removed, "removed_bytes": done.removed_bytes, "already_gone": done.already_gone, "failed": done.failed}
+        rep |= {"removed": done.removed, "removed_bytes": done.removed_bytes, "already_gone": done.already_gone, "failed": done.failed,
+                "kept_pinned": done.skipped_pinned, "kept_leased": done.skipped_leased}
     rep["bytes_after"] = before - freed
     rep["within_budget"] = limit is None or rep["bytes_after"] <= limit
     if as_json:
@@ -70,9 +93,15 @@ def evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[str
                 ref = table.arrays[int(table.array[r])]
                 t.add_row(ref.ns_id, str(ref.group), table.path(r), human_bytes(int(table.nbytes[r])))
             console.print(t)
-        verb = "would remove" if dry_run else "removed"
-        console.print(f"{verb} {rows.size} of {len(table)} chunks ({human_bytes(victim_bytes)} of {human_bytes(before)}); "
-                      f"{human_bytes(rep['bytes_after'])} {'would remain' if dry_run else 'remain'}"
-                      + (f"; budget {human_bytes(limit)}" if limit is not None else ""))
+        if dry_run:
+            head = f"would remove {rows.size} of {len(table)} chunks ({human_bytes(victim_bytes)} of {human_bytes(before)})"
+        else:
+            head = f"removed {rep['removed']} of {len(table)} chunks ({human_bytes(rep['removed_bytes'])} of {human_bytes(before)})"
+            notes = [f"{n} {what}" for n, what in ((rep["failed"], "failed"), (rep["already_gone"], "already gone"),
+                                                   (rep["kept_leased"], "kept (leased meanwhile)"), (rep["kept_pinned"], "kept (pinned)")) if n]
+            if notes:
+                head += f" of {rows.size} chosen; " + ", ".join(notes)
+        console.print(f"{head}; {human_bytes(rep['bytes_after'])} {'would remain' if dry_run else 'remain'}"
+                      + (f"; budget {human_bytes(limit)}" if limit is not None else ""), highlight=False)
     if not rep["within_budget"] or rep.get("failed"):
         ctx.exit(1)

@@ -1,10 +1,16 @@
-"""``gdskv info``: what a store holds and what this machine would use to move it."""
+"""``gdskv info``: what a store holds and what this machine would use to move it.
+
+Namespaces whose metadata is damaged (missing, malformed, or not hashing to their directory's
+name) are listed with what is wrong and the chunks they still hold. Exit codes: 0 reported, 1 the
+store could not be read, 2 usage.
+"""
 from __future__ import annotations
 
 from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gdskv.cli._common import human_bytes, open_existing, print_json
@@ -23,7 +29,7 @@ def gather(ctx: click.Context) -> dict[str, Any]:
         engine.close()
     engine_info |= {"kvikio_installed": kvikio_available(), "cuda_driver": cuda_driver_present()}
     on_disk = store.namespaces()
-    table = scan_store(store, on_disk, with_parents=False)
+    table = scan_store(store, with_parents=False)  # every array on disk, damaged namespaces' too
     per_array: dict[tuple[str, int], tuple[int, int]] = {}
     for i, ref in enumerate(table.arrays):
         sel = table.array == i
@@ -38,6 +44,11 @@ def gather(ctx: click.Context) -> dict[str, Any]:
                            "layers": list(g.layer_ids), "chunks": chunks, "bytes": nbytes})
         namespaces.append({"id": ns.id, "model": s.model, "dtype": s.dtype, "tokens_per_block": s.tokens_per_block,
                            "tp_rank": s.tp_rank, "tp_size": s.tp_size, "groups": groups})
+    for ns_id, why in store.damaged_namespaces():
+        groups = [{"group": gid, "window": None, "page_bytes": None, "layers": [], "chunks": n, "bytes": b}
+                  for (i, gid), (n, b) in sorted(per_array.items()) if i == ns_id]
+        namespaces.append({"id": ns_id, "damaged": why, "model": None, "dtype": None, "tokens_per_block": None,
+                           "tp_rank": None, "tp_size": None, "groups": groups})
     total, free = disk_usage(str(store.root))
     limits = Limits.of(cfg)
     return {
@@ -58,7 +69,10 @@ def gather(ctx: click.Context) -> dict[str, Any]:
 @click.pass_context
 def info(ctx: click.Context, as_json: bool) -> None:
     """Store path, format, I/O engine, namespaces with chunk counts and bytes, budget and free space."""
-    rep = gather(ctx)
+    try:
+        rep = gather(ctx)
+    except (OSError, ValueError) as e:  # one line, never a traceback
+        raise click.ClickException(f"info: {e}") from None
     if as_json:
         print_json(rep)
         return
@@ -79,6 +93,11 @@ def info(ctx: click.Context, as_json: bool) -> None:
     for col in ("namespace", "model", "dtype", "tokens/block", "TP", "group", "window", "page bytes", "layers", "chunks", "bytes"):
         t.add_column(col, justify="right" if col in ("tokens/block", "page bytes", "layers", "chunks", "bytes") else "left")
     for ns in rep["namespaces"]:
+        if ns.get("damaged"):
+            for i, g in enumerate(ns["groups"] or [{"group": "-", "chunks": 0, "bytes": 0}]):
+                head = [ns["id"], f"(damaged: {escape(ns['damaged'])})", "", "", ""] if i == 0 else [""] * 5
+                t.add_row(*head, str(g["group"]), "", "", "", str(g["chunks"]), human_bytes(g["bytes"]))
+            continue
         for i, g in enumerate(ns["groups"]):
             head = [ns["id"], ns["model"], ns["dtype"], str(ns["tokens_per_block"]), f"{ns['tp_rank']}/{ns['tp_size']}"] if i == 0 else [""] * 5
             t.add_row(*head, str(g["group"]), "full" if g["window"] is None else str(g["window"]), str(g["page_bytes"]),

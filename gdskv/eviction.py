@@ -11,10 +11,17 @@ Three layers, each usable on its own:
   recency, deeper first on ties. Every prefix of that order removes a block only together with all
   of its stored descendants, so a stored block is never left without its stored ancestors. Pinned
   chunks (and, through them, their ancestors) never go.
-- **Index** — ``scan_store`` lists the chunk files (scandir + stat: size and mtime) and attaches
-  each chunk's parent. Parents come from the chunk trailers, cached per array under
-  ``<root>/.gdskv/index/`` (``<ns_id>.g<gid>.npy``: chunk index, inode, parent chunk index), so a
-  trailer is read once per chunk file, not once per scan.
+- **Index** — ``scan_store`` lists the chunk files through the store's one walker
+  (``PageStore.arrays`` / ``chunk_entries``: real directories only, never a link) and attaches
+  each chunk's parent. Only regular files named by their chunk index are chunks; links, FIFOs and
+  other entries are never opened, counted or removed. Every array on disk is scanned, those of
+  namespaces with damaged metadata too (their chunks use space and stay evictable). Parents come
+  from the chunk trailers, cached per array under ``<root>/.gdskv/index/`` (``<ns_id>.g<gid>.npy``:
+  chunk index, inode, parent chunk index), so a trailer is read once per chunk file, not once per
+  scan.
+- **Removal** — ``remove_chunks``: every file operation goes through ``store.fs`` (confined to the
+  store's root). A chunk is renamed to a doomed temp name first, then removed only if no lease
+  landed on it before the rename (a lease after it fails, so the lookup promises nothing).
 - **Budget** — ``Budget`` implements the hook ``PageTransfer`` calls on ``store.budget``
   (``admit`` / ``on_published`` / ``pin`` / ``unpin``); ``install_budget(store, cfg)`` sets it at
   bring-up when the config has a byte budget or a free-space floor.
@@ -28,6 +35,8 @@ connectors and the demo (``install_budget`` at bring-up), ``PageTransfer`` (the 
 from __future__ import annotations
 
 import contextlib
+import io
+import itertools
 import logging
 import os
 import secrets
@@ -35,7 +44,7 @@ import shutil
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable, Optional, Sequence
 
 import numpy as np
@@ -43,7 +52,7 @@ import numpy as np
 from gdskv import format as fmt
 from gdskv.config import GdsKvConfig
 from gdskv.keys import store_key
-from gdskv.store import Namespace, PageStore
+from gdskv.store import PRIVATE_DIR, Namespace, PageStore
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +68,22 @@ INFLIGHT_TTL_S = 60.0
 # --- plain data --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ArrayRef:
-    """One layer group's array of one namespace, and its directory (a ``ChunkTable`` row's array)."""
+    """One layer group's array of one namespace, and its directory (a ``ChunkTable`` row's array).
+    ``namespace`` is None for an array whose namespace metadata is damaged (``PageStore.arrays``):
+    its chunks are still ranked and removed, never served."""
 
     ns_id: str
     group: int
     path: str
+    namespace: Optional[Namespace] = field(default=None, compare=False, repr=False)
 
     def chunk_file(self, index: int) -> str:
         """Path of the chunk file with chunk index ``index`` (``(hi << 50) | lo``)."""
         return f"{self.path}/{fmt.index_relpath(index >> fmt.LO_BITS, index & ((1 << fmt.LO_BITS) - 1))}"
+
+    def chunk_rel(self, index: int) -> str:
+        """The same file relative to the store root (what ``store.fs`` acts on)."""
+        return f"ns/{self.ns_id}/g{int(self.group)}/{fmt.index_relpath(index >> fmt.LO_BITS, index & ((1 << fmt.LO_BITS) - 1))}"
 
 
 @dataclass(frozen=True)
@@ -116,10 +132,10 @@ class ChunkTable:
     def rows_of(self, paths: Iterable[str]) -> np.ndarray:
         """Rows of the chunk files named by ``paths`` (unknown paths are ignored). Called by
         ``Budget.admit`` to turn its pins into rows the policy leaves alone."""
-        where = {a.path: i for i, a in enumerate(self.arrays)}
+        where = {_norm(a.path): i for i, a in enumerate(self.arrays)}
         wanted: dict[int, list[int]] = {}
         for p in paths:
-            parsed = _parse_chunk_path(p)
+            parsed = _parse_chunk_path(_norm(p))
             if parsed is not None and parsed[0] in where:
                 wanted.setdefault(where[parsed[0]], []).append(parsed[1])
         mask = np.zeros(len(self), dtype=bool)
@@ -294,98 +310,113 @@ def chunk_index_of(ns_id: str, group: int, key: bytes) -> int:
     return (hi << fmt.LO_BITS) | lo
 
 
-def _walk_array(cdir: str) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-    """(index, inode, size, mtime_ns, atime_ns) of every published chunk file under an array's ``c/``.
-    Called by ``scan_store`` per array; a directory or file removed meanwhile (``gc``, another
-    process's eviction) is skipped, so a scan on a transfer thread never raises for it."""
+def _norm(path: str) -> str:
+    """``path`` made absolute (a store opened through a relative path names its chunks relatively)."""
+    path = os.fspath(path)
+    return path if path.startswith("/") else os.path.abspath(path)
+
+
+def _arrays(store: PageStore, namespaces: Optional[Sequence[Namespace | str]]) -> list[ArrayRef]:
+    """The arrays to scan: every array directory on disk (``PageStore.arrays``, damaged namespaces
+    included), or those of ``namespaces`` (``Namespace`` objects or namespace ids)."""
+    want = None if namespaces is None else {n if isinstance(n, str) else n.id for n in namespaces}
+    return [ArrayRef(a.ns_id, a.group, a.path, a.namespace) for a in store.arrays() if want is None or a.ns_id in want]
+
+
+_MAX_HI = 1 << fmt.HI_BITS
+_MAX_LO = 1 << fmt.LO_BITS
+
+
+def _walk_array(store: PageStore, ref: ArrayRef) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """(index, inode, size, mtime_ns, atime_ns) of every published chunk file of an array, from
+    the store's walker (``PageStore.chunk_entries``: links are never followed). A chunk is a
+    regular file named by its index, exactly as ``chunk_file`` spells it; temp files, links,
+    FIFOs, directories and odd names are not chunks: never counted, opened or removed. Called by
+    ``scan_store`` per array; an entry removed meanwhile (``gc``, another process's eviction) is
+    skipped, so a scan on a transfer thread never raises for it."""
     idx: list[int] = []
     ino: list[int] = []
     size: list[int] = []
     mtime: list[int] = []
     atime: list[int] = []
-    try:
-        his = list(os.scandir(cdir))
-    except FileNotFoundError:
-        return idx, ino, size, mtime, atime
-    for hi in his:
-        if not hi.name.isdigit():
+    for e in store.chunk_entries(ref):
+        if e.kind != "file" or e.lo is None or e.st is None:
             continue
-        base = int(hi.name) << fmt.LO_BITS
-        try:
-            entries = os.scandir(f"{hi.path}/0")
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        with entries:
-            for e in entries:
-                name = e.name
-                if not name.isdigit():  # temp files (``<lo>.tmp.<pid>.<rand>``)
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                idx.append(base | int(name))
-                ino.append(e.inode())
-                size.append(st.st_size)
-                mtime.append(st.st_mtime_ns)
-                atime.append(st.st_atime_ns)
+        hi, lo = e.hi, e.lo
+        if not (0 <= hi < _MAX_HI and 0 <= lo < _MAX_LO) or e.name != str(lo) or not e.path.endswith(f"/c/{hi}/0/{lo}"):
+            continue  # "007", "٣", 2**60: the chunk path would name another file
+        st = e.st
+        idx.append((hi << fmt.LO_BITS) | lo)
+        ino.append(st.st_ino)
+        size.append(st.st_size)
+        mtime.append(st.st_mtime_ns)
+        atime.append(st.st_atime_ns)
     return idx, ino, size, mtime, atime
 
 
-def read_trailer(path: str) -> Optional[fmt.Trailer]:
-    """The trailer of the chunk file at ``path``, or None when it is gone or does not parse.
-    Called by the index (a chunk's parent) and by ``gdskv ls`` (its keys)."""
+def read_trailer(store: PageStore, path: str) -> Optional[fmt.Trailer]:
+    """The trailer of the chunk file at ``path`` (inside the store), or None when it is gone, is
+    not a regular file (a FIFO is refused at once, never waited on) or does not parse. Called by
+    the index (a chunk's parent) and by ``gdskv ls`` (its keys)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(-fmt.TRAILER_BYTES, os.SEEK_END)
-            return fmt.unpack(f.read(fmt.TRAILER_BYTES))
+        fd = store.fs.open_regular(path)
+    except (OSError, ValueError):
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size < fmt.TRAILER_BYTES:
+            return None
+        return fmt.unpack(os.pread(fd, fmt.TRAILER_BYTES, size - fmt.TRAILER_BYTES))
     except (OSError, fmt.ChunkFormatError):
         return None
+    finally:
+        os.close(fd)
 
 
-def _read_parent(ref: ArrayRef, index: int) -> int:
+def _read_parent(store: PageStore, ref: ArrayRef, index: int) -> int:
     """Parent chunk index from the chunk's trailer (``NO_PARENT`` for a root or a bad trailer)."""
-    t = read_trailer(ref.chunk_file(index))
+    t = read_trailer(store, ref.chunk_rel(index))
     if t is None or t.parent_key is None or t.layer_group != ref.group:
         return int(NO_PARENT)
     return chunk_index_of(ref.ns_id, ref.group, t.parent_key)  # ``unpack`` checked the key's length
 
 
-def _cache_path(store: PageStore, ref: ArrayRef) -> str:
-    return str(store.private / INDEX_DIR / f"{ref.ns_id}.g{ref.group}.npy")
+def _cache_path(ref: ArrayRef) -> str:
+    """The array's parent-index cache, relative to the store root (``ArrayRef`` ids come from
+    ``PageStore.arrays``: 16 hex digits and a decimal group)."""
+    return f"{PRIVATE_DIR}/{INDEX_DIR}/{ref.ns_id}.g{int(ref.group)}.npy"
 
 
-def _load_cache(path: str) -> np.ndarray:
+_CACHE_LIMIT = 1 << 31
+
+
+def _load_cache(store: PageStore, path: str) -> np.ndarray:
+    """The cached index at ``path`` (empty when missing, not a regular file, or not one)."""
     try:
-        arr = np.load(path, allow_pickle=False)
-        if arr.dtype == _CACHE_DTYPE:
+        arr = np.load(io.BytesIO(store.fs.read_small(path, limit=_CACHE_LIMIT)), allow_pickle=False)
+        if arr.dtype == _CACHE_DTYPE and arr.ndim == 1:
             return arr
     except (OSError, ValueError, EOFError):
         pass
     return np.zeros(0, dtype=_CACHE_DTYPE)
 
 
-def _save_cache(path: str, arr: np.ndarray) -> None:
-    """Write atomically (temp name that ``gdskv gc`` knows, then rename); failures only log."""
-    tmp = f"{path}{fmt.TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}"
+def _save_cache(store: PageStore, path: str, arr: np.ndarray) -> None:
+    """Write atomically through ``store.fs`` (temp name that ``gdskv gc`` knows, then rename);
+    failures only log."""
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.save(f, arr, allow_pickle=False)
-        os.replace(tmp, path)
+        store.fs.write_atomic(path, buf.getvalue(), f"{fmt.TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}")
     except OSError as e:
         log.warning("gdskv: could not write eviction index %s: %s", path, e)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
 
 
 def _array_parents(store: PageStore, ref: ArrayRef, idx: np.ndarray, ino: np.ndarray, known: dict[int, int]) -> np.ndarray:
     """Parent chunk index of each scanned chunk: from the cache when the inode matches, else from
     ``known`` (published by this process) or the trailer; the cache is rewritten when it changed."""
-    path = _cache_path(store, ref)
-    cache = _load_cache(path)
+    path = _cache_path(ref)
+    cache = _load_cache(store, path)
     parent = np.full(idx.size, NO_PARENT, dtype=np.uint64)
     hit = np.zeros(idx.size, dtype=bool)
     if cache.size and idx.size:
@@ -395,44 +426,43 @@ def _array_parents(store: PageStore, ref: ArrayRef, idx: np.ndarray, ino: np.nda
     miss = np.nonzero(~hit)[0]
     for i in miss.tolist():
         k = int(idx[i])
-        parent[i] = known[k] if k in known else _read_parent(ref, k)
+        parent[i] = known[k] if k in known else _read_parent(store, ref, k)
     if miss.size or int(hit.sum()) != cache.size:
         fresh = np.empty(idx.size, dtype=_CACHE_DTYPE)
         fresh["index"], fresh["ino"], fresh["parent"] = idx, ino, parent
         fresh.sort(order="index")
-        _save_cache(path, fresh)
+        _save_cache(store, path, fresh)
     return parent
 
 
 def scan_store(
     store: PageStore,
-    namespaces: Optional[Sequence[Namespace]] = None,
+    namespaces: Optional[Sequence[Namespace | str]] = None,
     with_parents: bool = True,
     known_parents: Optional[dict[tuple[str, int], dict[int, int]]] = None,
 ) -> ChunkTable:
-    """Every published chunk of ``namespaces`` (default: all on disk) as a ``ChunkTable``.
+    """Every published chunk of ``namespaces`` (``Namespace`` objects or ids; default: every
+    array on disk, damaged namespaces included) as a ``ChunkTable``.
 
-    One scandir per directory and one stat per chunk file. With ``with_parents`` the parent links
-    are attached from the index cache (a trailer is read only for chunk files the cache has not
-    seen); without, every ``parent`` is -1 (enough for sizes and listings).
-    ``known_parents[(ns_id, group)][chunk index]`` supplies parents this process already knows.
-    Called by ``Budget`` and by ``gdskv evict`` / ``info`` / ``ls``.
+    One scandir per directory and one stat per chunk file (the store's walker). With
+    ``with_parents`` the parent links are attached from the index cache (a trailer is read only
+    for chunk files the cache has not seen); without, every ``parent`` is -1 (enough for sizes
+    and listings). ``known_parents[(ns_id, group)][chunk index]`` supplies parents this process
+    already knows. Called by ``Budget`` and by ``gdskv evict`` / ``info`` / ``ls``.
     """
     arrays: list[ArrayRef] = []
     cols: list[tuple[np.ndarray, ...]] = []
-    for ns in namespaces if namespaces is not None else store.namespaces():
-        for g in ns.spec.groups:
-            ref = ArrayRef(ns.id, g.layer_group_id, str(ns.array_path(g.layer_group_id)))
-            idx_l, ino_l, size_l, mtime_l, atime_l = _walk_array(f"{ref.path}/c")
-            idx = np.array(idx_l, dtype=np.uint64)
-            ino = np.array(ino_l, dtype=np.uint64)
-            if with_parents:
-                parent_idx = _array_parents(store, ref, idx, ino, (known_parents or {}).get((ns.id, g.layer_group_id), {}))
-            else:
-                parent_idx = np.full(idx.size, NO_PARENT, dtype=np.uint64)
-            arrays.append(ref)
-            cols.append((idx, parent_idx, np.array(size_l, dtype=np.int64), np.array(mtime_l, dtype=np.int64),
-                         np.array(atime_l, dtype=np.int64)))
+    for ref in _arrays(store, namespaces):
+        idx_l, ino_l, size_l, mtime_l, atime_l = _walk_array(store, ref)
+        idx = np.array(idx_l, dtype=np.uint64)
+        ino = np.array(ino_l, dtype=np.uint64)
+        if with_parents:
+            parent_idx = _array_parents(store, ref, idx, ino, (known_parents or {}).get((ref.ns_id, ref.group), {}))
+        else:
+            parent_idx = np.full(idx.size, NO_PARENT, dtype=np.uint64)
+        arrays.append(ref)
+        cols.append((idx, parent_idx, np.array(size_l, dtype=np.int64), np.array(mtime_l, dtype=np.int64),
+                     np.array(atime_l, dtype=np.int64)))
     if not cols:
         empty_i = np.zeros(0, dtype=np.int64)
         return ChunkTable(arrays, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint64), empty_i, empty_i, empty_i, empty_i)
@@ -458,10 +488,18 @@ def scan_store(
     )
 
 
+def namespace_ids_matching(store: PageStore, wanted: str) -> list[str]:
+    """Ids of the namespaces on disk (damaged ones included) whose id starts with ``wanted`` or
+    whose model is ``wanted``. Called by ``gdskv evict`` / ``ls`` for ``--namespace``."""
+    out = [ns.id for ns in store.namespaces() if ns.id.startswith(wanted) or ns.spec.model == wanted]
+    return out + [ns_id for ns_id, _ in store.damaged_namespaces() if ns_id.startswith(wanted) and ns_id not in out]
+
+
 # --- removal -----------------------------------------------------------------------------------
 @dataclass
 class Removal:
-    """What ``remove_chunks`` did. ``freed_bytes`` includes chunks another process removed first."""
+    """What ``remove_chunks`` did. ``freed_bytes`` includes chunks another process removed first.
+    ``skipped_leased``: chunks a lookup leased after the scan (kept, with their ancestors)."""
 
     removed: int = 0
     removed_bytes: int = 0
@@ -469,43 +507,91 @@ class Removal:
     already_gone: int = 0
     freed_bytes: int = 0
     failed: int = 0
+    skipped_leased: int = 0
+
+
+_doomed_seq = itertools.count()
+
+
+def _doomed_name(rel: str) -> str:
+    """A temp name beside the chunk for its last moment: ``<lo>.tmp.<pid>.evict<n>``, which
+    ``gdskv gc`` collects as this process's temp file should it die right here."""
+    return f"{rel}{fmt.TMP_MARK}{os.getpid()}.evict{next(_doomed_seq)}"
+
+
+def remove_chunk(store: PageStore, rel: str) -> str:
+    """Remove one chunk file unless a lease vetoes it; ``"removed"``, ``"gone"``, ``"leased"`` or
+    ``"failed"``. Every step goes through ``store.fs`` (a link is moved or removed as itself).
+
+    The chunk is first renamed to a doomed temp name in its own directory, so no lease can land
+    on it by name any more (``Namespace.lease_many`` then fails, and the lookup promises nothing),
+    then ``lstat``-ed: an atime in the future means a lease landed before the rename, and the
+    chunk goes back under its name (``link_noreplace``: a chunk published there meanwhile wins)
+    and stays. Called by ``remove_chunks``."""
+    fs = store.fs
+    doomed = _doomed_name(rel)
+    try:
+        fs.rename(rel, doomed)
+    except FileNotFoundError:
+        return "gone"
+    except OSError as e:
+        log.warning("gdskv: could not evict %s: %s", fs.abspath(fs.rel(rel)), e)
+        return "failed"
+    try:
+        st = fs.lstat(doomed)
+    except FileNotFoundError:  # another process's gc or eviction took it
+        return "gone"
+    except OSError as e:
+        st = None
+        log.warning("gdskv: could not check the lease of %s: %s", fs.abspath(fs.rel(rel)), e)
+    try:
+        if st is None or st.st_atime_ns > time.time_ns():  # leased (or unknown): put it back
+            try:
+                fs.link_noreplace(doomed, rel)
+            except FileExistsError:  # a save published the block again meanwhile: that one stays
+                pass
+            except OSError:
+                fs.rename(doomed, rel)
+                return "leased"
+            fs.unlink(doomed)
+            return "leased"
+        fs.unlink(doomed)
+        return "removed"
+    except FileNotFoundError:
+        return "gone"
+    except OSError as e:
+        log.warning("gdskv: could not finish evicting %s (left as %s): %s", fs.abspath(fs.rel(rel)), doomed, e)
+        return "failed"
 
 
 def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
                   is_pinned: Callable[[str], bool] = lambda path: False, lock: Optional[threading.Lock] = None) -> Removal:
-    """Unlink the chunk files of ``rows`` in the order given (descendants first, as ranked).
+    """Remove the chunk files of ``rows`` in the order given (descendants first, as ranked).
 
     A row whose file became pinned after it was chosen is kept, and so are its ancestors (they
-    come later in ``rows``). ``is_pinned`` is checked and the file unlinked under ``lock`` (the
-    lock ``Budget.pin`` takes), so a load either keeps its chunk or finds it gone (a miss).
-    Counts ``evicted`` / ``evicted_bytes`` on the chunk's namespace. Called by ``Budget`` and
-    ``gdskv evict``.
+    come later in ``rows``); so is one a lookup leased after the scan (``remove_chunk``).
+    ``is_pinned`` is checked and the file removed under ``lock`` (the lock ``Budget.pin``
+    takes), so a load either keeps its chunk or finds it gone (a miss). Counts ``evicted`` /
+    ``evicted_bytes`` on the chunk's namespace (none for a damaged one). Called by ``Budget``
+    and ``gdskv evict``.
     """
     out = Removal()
     keep: set[int] = set()
-    specs = {ns.id: ns.spec for ns in store.namespaces()}
-    namespaces: dict[str, Namespace] = {}
+    counted: dict[str, Optional[Namespace]] = {}
     for row in (int(r) for r in rows):
         if row in keep:
             out.skipped_pinned += 1
             continue
         ref = table.arrays[int(table.array[row])]
-        path = ref.chunk_file(int(table.index[row]))
+        index = int(table.index[row])
         nbytes = int(table.nbytes[row])
         with lock or contextlib.nullcontext():
-            if is_pinned(path):
-                status = "pinned"
+            status = "pinned" if is_pinned(ref.chunk_file(index)) else remove_chunk(store, ref.chunk_rel(index))
+        if status in ("pinned", "leased"):
+            if status == "pinned":
+                out.skipped_pinned += 1
             else:
-                try:
-                    os.unlink(path)
-                    status = "removed"
-                except FileNotFoundError:
-                    status = "gone"
-                except OSError as e:
-                    log.warning("gdskv: could not evict %s: %s", path, e)
-                    status = "failed"
-        if status == "pinned":
-            out.skipped_pinned += 1
+                out.skipped_leased += 1
             up = int(table.parent[row])
             while up >= 0 and up not in keep:
                 keep.add(up)
@@ -519,12 +605,25 @@ def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
             out.removed += 1
             out.removed_bytes += nbytes
             out.freed_bytes += nbytes
-            if ref.ns_id in specs:
-                if ref.ns_id not in namespaces:  # registered, so ``flush_stats`` writes its counts
-                    namespaces[ref.ns_id] = store.namespace(specs[ref.ns_id])
-                namespaces[ref.ns_id].counters.add("evicted")
-                namespaces[ref.ns_id].counters.add("evicted_bytes", nbytes)
+            if ref.ns_id not in counted:
+                counted[ref.ns_id] = _counting_namespace(store, ref)
+            ns = counted[ref.ns_id]
+            if ns is not None:
+                ns.counters.add("evicted")
+                ns.counters.add("evicted_bytes", nbytes)
     return out
+
+
+def _counting_namespace(store: PageStore, ref: ArrayRef) -> Optional[Namespace]:
+    """The registered namespace of ``ref`` (so ``flush_stats`` writes its counts); None for a
+    damaged namespace or when it cannot be registered."""
+    if ref.namespace is None:
+        return None
+    try:
+        return store.namespace(ref.namespace.spec)
+    except (OSError, ValueError, RuntimeError) as e:
+        log.warning("gdskv: eviction counts of namespace %s are not kept: %s", ref.ns_id, e)
+        return None
 
 
 # --- the store hook ----------------------------------------------------------------------------
@@ -570,6 +669,7 @@ class Budget:
         self._evicting = threading.Lock()  # one scan / eviction at a time
         self._pins: Counter[str] = Counter()
         self._known: dict[tuple[str, int], dict[int, int]] = {}
+        self._error_logged_at = float("-inf")
 
     @property
     def used_bytes(self) -> Optional[int]:
@@ -583,8 +683,21 @@ class Budget:
         False (the caller drops and counts the save) when not enough can be evicted, e.g.
         because everything left is pinned. The chunk's ``parent`` block (and so its ancestors)
         is not evicted to make room for it, and nothing is evicted for a chunk whose parent is
-        not stored: either would leave the new chunk unservable.
+        not stored: either would leave the new chunk unservable. Never raises: a scan or an
+        eviction that fails (I/O error, bad metadata) drops the save, with a log line and the
+        namespace's ``eviction_errors`` counter.
         Called by ``PageTransfer._save`` on a transfer thread, never on the serving loop."""
+        try:
+            return self._admit(ns, group, nbytes, parent)
+        except (OSError, ValueError) as e:
+            ns.counters.add("eviction_errors")
+            now = self.clock()
+            if now - self._error_logged_at >= 60.0:  # at most one line a minute
+                self._error_logged_at = now
+                log.warning("gdskv: eviction in %s failed, save dropped: %s", self.store.root, e)
+            return False
+
+    def _admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes]) -> bool:
         stale = self._used is None or self.clock() - self._scanned_at > self.rescan_seconds
         if stale and self._evicting.acquire(blocking=self._used is None):
             try:
@@ -608,7 +721,7 @@ class Budget:
                     protect = list(self._pins) + ([ns.chunk_path(group, parent)] if parent is not None else [])
                 pinned = table.rows_of(protect)
                 rows = select_victims(table, need + int(self.headroom * base), pinned, now_ns=time.time_ns())
-                done = remove_chunks(self.store, table, rows, lambda p: self._pins[p] > 0, self._state)
+                done = remove_chunks(self.store, table, rows, lambda p: self._pins[_norm(p)] > 0, self._state)
                 with self._state:
                     self._used = max(0, (self._used or 0) - done.freed_bytes)
                 if done.removed:
@@ -635,11 +748,13 @@ class Budget:
     def pin(self, path: str) -> None:
         """A load of ``path`` starts: the chunk is not evicted until ``unpin``. Called by
         ``PageTransfer._load``."""
+        path = _norm(path)
         with self._state:
             self._pins[path] += 1
 
     def unpin(self, path: str) -> None:
         """The load of ``path`` finished (whatever its outcome)."""
+        path = _norm(path)
         with self._state:
             self._pins[path] -= 1
             if self._pins[path] <= 0:
@@ -697,6 +812,9 @@ def install_budget(store: PageStore, cfg: GdsKvConfig) -> Optional[Budget]:
     if isinstance(store.budget, Budget) and store.budget.limits == limits:
         return store.budget
     budget = Budget(store, limits)
-    budget.refresh()
+    try:
+        budget.refresh()
+    except (OSError, ValueError) as e:  # bring-up goes on; the first ``admit`` scans again
+        log.warning("gdskv: could not scan %s for its byte budget: %s", store.root, e)
     store.budget = budget
     return budget
