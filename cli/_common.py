@@ -37,8 +37,8 @@ def open_existing(ctx: click.Context) -> tuple[GdsKvConfig, PageStore]:
     cfg = config_of(ctx)
     root = Path(cfg.store_path)
     try:
-        return cfg, PageStore.open(root, create=False)
-    except StoreError as e:
+        return cfg, PageStore.from_config(cfg, create=False)
+    except (StoreError, OSError) as e:
         why = str(e) if root.exists() else f"{root} is not a gdskv store (it does not exist)"
         raise UsageProblem(f"{why}; refusing to touch it. Pass --store PATH or set GDSKV_STORE.") from None
 

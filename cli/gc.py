@@ -32,7 +32,7 @@ def gc(ctx: click.Context, grace: str, min_age: str, dry_run: bool, as_json: boo
     """Remove temp files left by crashed writers and empty chunk directories."""
     _, store = open_existing(ctx)
     garbage = find_garbage(store, parse_duration(min_age), parse_duration(grace))
-    done = Collected() if dry_run else collect(garbage)
+    done = Collected() if dry_run else collect(store, garbage)
     rep = {"dry_run": dry_run, "temp_files": [p for p, _ in garbage.temp_files], "empty_dirs": garbage.empty_dirs, **asdict(done)}
     if as_json:
         print_json(rep)

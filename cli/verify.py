@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -21,20 +22,30 @@ from rich.table import Table
 
 from gdskv import format as fmt
 from gdskv.cli._common import open_existing, print_json, select_namespaces
-from gdskv.store import Namespace
+from gdskv.confined import NotRegularFileError, OutsideStoreError
+from gdskv.store import ArrayDir, ChunkEntry, Namespace
 
 
 def check_chunk(ns: Namespace, group: int, path: str) -> Optional[str]:
     """None when the chunk file at ``path`` is sound; otherwise why not (a quarantine reason),
-    or ``"gone"`` when it no longer exists."""
+    or ``"gone"`` when it no longer exists. Opened through ``store.fs``: a link or a FIFO at the
+    path is reported, never followed or waited on."""
     try:
-        with open(path, "rb") as f:
+        fd = ns.store.fs.open_regular(path)
+    except FileNotFoundError:
+        return "gone"
+    except NotRegularFileError:
+        return "not-a-file"
+    except OutsideStoreError:
+        return "link"
+    try:
+        with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             buf = bytearray(size)  # writable, so the CRC32C below reads it in place
             if size < fmt.TRAILER_BYTES or f.readinto(buf) < size:  # a buffered readinto fills or hits EOF
                 return "truncated"
-    except FileNotFoundError:
-        return "gone"
+    except OSError:
+        return "unreadable"
     view = memoryview(buf)
     payload = view[: size - fmt.TRAILER_BYTES]
     try:
@@ -51,6 +62,18 @@ def check_chunk(ns: Namespace, group: int, path: str) -> Optional[str]:
     return None
 
 
+def check_entry(array: ArrayDir, entry: ChunkEntry) -> Optional[str]:
+    """``check_chunk`` for one entry of the store walk; entries where a chunk belongs that are
+    not chunk files, and chunks of a damaged namespace, are bad without being opened."""
+    if entry.kind == "link":
+        return "link"
+    if entry.kind != "file":
+        return "not-a-file"
+    if array.namespace is None:
+        return "damaged-namespace"
+    return check_chunk(array.namespace, array.group, entry.path)
+
+
 @click.command()
 @click.option("--repair", is_flag=True, help="Move bad chunks to the quarantine.")
 @click.option("--namespace", "namespace", default=None, help="Namespace id (or a prefix of it) or model name.")
@@ -60,28 +83,37 @@ def check_chunk(ns: Namespace, group: int, path: str) -> Optional[str]:
 def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: int, as_json: bool) -> None:
     """Re-check every chunk's checksum and key; exit 1 when any is bad."""
     _, store = open_existing(ctx)
-    namespaces = {ns.id: store.namespace(ns.spec) for ns in select_namespaces(store, namespace)}
-    files = [(ns, g, e.path) for ns, g, e in store.iter_chunk_files(list(namespaces.values()))]
+    chosen = None if namespace is None else select_namespaces(store, namespace)
+    arrays = store.arrays([store.namespace(ns.spec) for ns in chosen] if chosen is not None else None)
+    arrays = [a if a.namespace is None else replace(a, namespace=store.namespace(a.namespace.spec)) for a in arrays]
+    files = [(a, e) for a in arrays for e in store.chunk_entries(a) if e.lo is not None]
     counts: Counter[str] = Counter()
     bad: list[dict[str, object]] = []
     console = Console(stderr=True)
     with Progress(TextColumn("verify"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console,
                   disable=as_json or not console.is_terminal) as progress, ThreadPoolExecutor(threads) as pool:
         task = progress.add_task("chunks", total=len(files))
-        checks = pool.map(lambda f: check_chunk(namespaces[f[0].id], f[1], f[2]), files)
-        for (ns, group, path), reason in zip(files, checks):
+        checks = pool.map(lambda f: check_entry(*f), files)
+        for (array, entry), reason in zip(files, checks):
             progress.advance(task)
             counts[reason or "ok"] += 1
             if reason is None or reason == "gone":
                 continue
-            entry: dict[str, object] = {"namespace": ns.id, "group": group, "path": path, "reason": reason}
+            item: dict[str, object] = {"namespace": array.ns_id, "group": array.group, "path": entry.path, "reason": reason}
             if repair:
-                entry["quarantined_to"] = namespaces[ns.id].quarantine(group, path, reason)
-            bad.append(entry)
+                if array.namespace is not None:
+                    dest = array.namespace.quarantine(array.group, entry.path, reason)
+                else:
+                    dest = store.quarantine(array.ns_id, array.group, entry.path, reason)
+                item["quarantined_to"] = dest
+                if dest is None and os.path.lexists(entry.path):
+                    counts["repair_failed"] += 1
+            bad.append(item)
     if repair and bad:
         store.flush_stats()
     rep = {"checked": len(files), "ok": counts["ok"], "bad": len(bad), "gone": counts["gone"],
-           "reasons": {k: v for k, v in counts.items() if k not in ("ok", "gone")}, "repaired": repair, "bad_chunks": bad}
+           "reasons": {k: v for k, v in counts.items() if k not in ("ok", "gone", "repair_failed")}, "repaired": repair,
+           "repair_failed": counts["repair_failed"], "bad_chunks": bad}
     if as_json:
         print_json(rep)
     else:
@@ -95,6 +127,7 @@ def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: 
             out.print(t)
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(rep["reasons"].items()))
         out.print(f"checked {rep['checked']} chunks: {rep['ok']} ok, {rep['bad']} bad" + (f" ({reasons})" if reasons else "")
-                  + (f", {rep['gone']} removed meanwhile" if rep["gone"] else ""))
+                  + (f", {rep['gone']} removed meanwhile" if rep["gone"] else "")
+                  + (f"; {rep['repair_failed']} could not be quarantined (read-only or full store?)" if rep["repair_failed"] else ""))
     if bad:
         ctx.exit(1)

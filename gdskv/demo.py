@@ -63,7 +63,7 @@ def page_for(key: bytes, page_bytes: int) -> torch.Tensor:
 
 def run_store_phase(phase: str, store_path: str, n_prompts: int, blocks: int, page_bytes: int) -> PhaseReport:
     cfg = load_config(store_path=store_path)
-    store = PageStore.open(cfg.store_path)
+    store = PageStore.from_config(cfg)
     install_budget(store, cfg)
     ns = store.namespace(NamespaceSpec("gdskv-demo/synthetic", "float16", TOKENS_PER_BLOCK, (GroupSpec(0, page_bytes, tuple(range(8))),)))
     engine = make_engine(cfg)

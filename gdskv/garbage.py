@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from gdskv import format as fmt
-from gdskv.store import PageStore
+from gdskv.store import PRIVATE_DIR, PageStore
 
 log = logging.getLogger(__name__)
 
@@ -57,52 +57,45 @@ class Garbage:
     empty_dirs: list[str] = field(default_factory=list)
 
 
-def _temp_candidates(store: PageStore) -> Iterator[os.DirEntry]:
-    """Every temp-named file in the arrays' chunk directories and under ``.gdskv/``."""
-    dirs: list[str] = []
-    for ns in store.namespaces():
-        for g in ns.spec.groups:
-            cdir = ns.array_path(g.layer_group_id) / "c"
-            if cdir.is_dir():
-                dirs += [f"{hi.path}/0" for hi in os.scandir(cdir) if hi.is_dir(follow_symlinks=False)]
-    if store.private.is_dir():
-        dirs += [str(p) for p in store.private.rglob("*") if p.is_dir() and not p.is_symlink()] + [str(store.private)]
-    for d in dirs:
-        try:
-            entries = list(os.scandir(d))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for e in entries:
-            if fmt.is_temp_name(e.name) and e.is_file(follow_symlinks=False):
-                yield e
+def _private_temp_files(store: PageStore, rel: str = PRIVATE_DIR) -> Iterator[tuple[str, os.stat_result]]:
+    """Temp-named regular files anywhere under ``.gdskv/`` (real directories only)."""
+    for e in store.fs.scandir(rel, with_stat=True):
+        if e.kind == "dir":
+            yield from _private_temp_files(store, f"{rel}/{e.name}")
+        elif e.kind == "file" and fmt.is_temp_name(e.name) and e.st is not None:
+            yield store.fs.abspath(f"{rel}/{e.name}"), e.st
 
 
 def find_garbage(store: PageStore, min_age_s: float, grace_s: float, now: Optional[float] = None) -> Garbage:
-    """What ``gc`` would remove now."""
+    """What ``gc`` would remove now: temp files in the arrays' chunk directories (of every
+    array on disk, damaged namespaces included) and under ``.gdskv/``, and empty chunk
+    directories. Walks the tree through ``store.fs``: links are never entered."""
     now = time.time() if now is None else now
     out = Garbage()
-    for e in _temp_candidates(store):
-        try:
-            st = e.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if temp_file_is_stale(e.name, now - st.st_mtime, min_age_s, grace_s):
-            out.temp_files.append((e.path, st.st_size))
-    for ns in store.namespaces():
-        for g in ns.spec.groups:
-            cdir = ns.array_path(g.layer_group_id) / "c"
-            for hi in os.scandir(cdir) if cdir.is_dir() else ():
-                sub = f"{hi.path}/0"
-                try:
-                    if not os.listdir(sub) and now - os.stat(sub).st_mtime >= min_age_s:
-                        out.empty_dirs.append(sub)
-                    left = [n for n in os.listdir(hi.path) if not (n == "0" and out.empty_dirs[-1:] == [sub])]
-                    if not left and now - os.stat(hi.path).st_mtime >= min_age_s:
-                        out.empty_dirs.append(hi.path)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
+    temps: list[tuple[str, os.stat_result]] = []
+    arrays = store.arrays()
+    for array in arrays:
+        temps += [(e.path, e.st) for e in store.chunk_entries(array)
+                  if e.kind == "file" and e.st is not None and fmt.is_temp_name(e.name)]
+    temps += list(_private_temp_files(store))
+    for path, st in temps:
+        if temp_file_is_stale(os.path.basename(path), now - st.st_mtime, min_age_s, grace_s):
+            out.temp_files.append((path, st.st_size))
+    for array in arrays:
+        base = f"ns/{array.ns_id}/g{array.group}/c"
+        for hi in store.fs.scandir(base, with_stat=True):
+            if hi.kind != "dir" or not hi.name.isdigit() or hi.st is None:
+                continue
+            inside = store.fs.scandir(f"{base}/{hi.name}", with_stat=True)
+            sub = next((e for e in inside if e.name == "0" and e.kind == "dir"), None)
+            sub_gone = False
+            if sub is not None and sub.st is not None and now - sub.st.st_mtime >= min_age_s \
+                    and not store.fs.scandir(f"{base}/{hi.name}/0"):
+                out.empty_dirs.append(store.fs.abspath(f"{base}/{hi.name}/0"))
+                sub_gone = True
+            if (not inside or (sub_gone and len(inside) == 1)) and now - hi.st.st_mtime >= min_age_s:
+                out.empty_dirs.append(store.fs.abspath(f"{base}/{hi.name}"))
     return out
-
 
 
 @dataclass
@@ -110,21 +103,27 @@ class Collected:
     removed_temp_files: int = 0
     removed_dirs: int = 0
     freed_bytes: int = 0
+    failed: int = 0
 
 
-def collect(garbage: Garbage) -> Collected:
-    """Remove what ``find_garbage`` found; whatever changed meanwhile is left alone."""
+def collect(store: PageStore, garbage: Garbage) -> Collected:
+    """Remove what ``find_garbage`` found, through ``store.fs`` (nothing outside the store);
+    whatever changed meanwhile is left alone, and a removal that fails (read-only store) is
+    counted, not raised."""
     out = Collected()
     for path, size in garbage.temp_files:
         try:
-            os.unlink(path)
+            store.fs.unlink(path)
             out.removed_temp_files += 1
             out.freed_bytes += size
         except FileNotFoundError:  # its writer finished (renamed it) or someone else collected it
             pass
+        except OSError as e:
+            out.failed += 1
+            log.warning("gdskv: could not remove %s: %s", path, e)
     for d in garbage.empty_dirs:  # ``<hi>/0`` comes before ``<hi>``
         try:
-            os.rmdir(d)
+            store.fs.rmdir(d)
             out.removed_dirs += 1
         except OSError:  # a writer put a file there meanwhile: keep it
             pass
@@ -138,11 +137,11 @@ def collect_in_background(store: PageStore) -> threading.Thread:
         try:
             garbage = find_garbage(store, DEFAULT_MIN_AGE_S, DEFAULT_GRACE_S)
             garbage.empty_dirs.clear()
-            done = collect(garbage)
+            done = collect(store, garbage)
             if done.removed_temp_files:
                 log.info("gdskv: removed %d temp files (%d bytes) left by crashed writers in %s",
                          done.removed_temp_files, done.freed_bytes, store.root)
-        except OSError as e:
+        except Exception as e:  # a background thread of a server: log, never raise
             log.warning("gdskv: background cleanup of %s failed: %s", store.root, e)
 
     t = threading.Thread(target=run, name="gdskv-gc", daemon=True)

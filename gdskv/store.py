@@ -19,23 +19,28 @@ lookups (``contains_many``), by the transfer layer (``chunk_path``, ``quarantine
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import socket
+import stat
 import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import zarr
+from zarr.storage import MemoryStore
 
 from gdskv import format as fmt
+from gdskv.confined import ConfinedDir
 from gdskv.keys import store_key
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,10 @@ log = logging.getLogger(__name__)
 STORE_ATTR = "gdskv"
 NAMESPACE_ATTR = "gdskv_namespace"
 PRIVATE_DIR = ".gdskv"
+NAMESPACE_ID = re.compile(r"^[0-9a-f]{16}$")
+GROUP_DIR = re.compile(r"^g(0|[1-9][0-9]{0,9})$")
+MAX_PAGE_BYTES = (1 << 32) - 1
+_MAX_INT = (1 << 31) - 1
 
 
 class StoreError(RuntimeError):
@@ -80,16 +89,44 @@ class NamespaceSpec:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "NamespaceSpec":
-        groups = tuple(
-            GroupSpec(g["layer_group_id"], g["bytes_per_page"], tuple(g["layer_ids"]), g.get("window_size"))
-            for g in d["groups"]
-        )
+    def from_json(cls, d: Any) -> "NamespaceSpec":
+        """The spec a namespace's metadata describes. Every value is checked before use (types,
+        ranges, unique layer groups): ``ValueError`` says which one is bad. Called by
+        ``PageStore.namespaces`` on every namespace found on disk."""
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"namespace metadata: {what}")
+
+        def count(v: Any, lo: int, hi: int = _MAX_INT) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+        need(isinstance(d, dict), "not an object")
+        need(isinstance(d.get("model"), str) and isinstance(d.get("dtype"), str), "model and dtype must be strings")
+        need(count(d.get("tokens_per_block"), 1), "tokens_per_block must be a positive integer")
+        raw = d.get("groups")
+        need(isinstance(raw, list) and len(raw) > 0, "groups must be a non-empty list")
+        groups = []
+        for g in raw:
+            need(isinstance(g, dict), "a group is not an object")
+            need(count(g.get("layer_group_id"), 0), "layer_group_id must be a non-negative integer")
+            need(count(g.get("bytes_per_page"), 1, MAX_PAGE_BYTES), "bytes_per_page must be a positive integer below 4 GiB")
+            ids = g.get("layer_ids")
+            need(isinstance(ids, list) and all(count(i, 0) for i in ids), "layer_ids must be a list of non-negative integers")
+            w = g.get("window_size")
+            need(w is None or count(w, 1), "window_size must be null or a positive integer")
+            groups.append(GroupSpec(g["layer_group_id"], g["bytes_per_page"], tuple(ids), w))
+        need(len({g.layer_group_id for g in groups}) == len(groups), "layer_group_id values must be unique")
+        tp_rank, tp_size = d.get("tp_rank", 0), d.get("tp_size", 1)
+        need(count(tp_size, 1) and count(tp_rank, 0, tp_size - 1 if count(tp_size, 1) else 0), "tp_rank/tp_size out of range")
+        extra = d.get("extra", {})
+        need(isinstance(extra, dict), "extra must be an object")
+        version = d.get("format_version", fmt.FORMAT_VERSION)
+        need(count(version, 0), "format_version must be an integer")
         return cls(
-            model=d["model"], dtype=d["dtype"], tokens_per_block=d["tokens_per_block"], groups=groups,
-            tp_rank=d.get("tp_rank", 0), tp_size=d.get("tp_size", 1),
-            extra=tuple(sorted((str(k), str(v)) for k, v in d.get("extra", {}).items())),
-            format_version=d.get("format_version", fmt.FORMAT_VERSION),
+            model=d["model"], dtype=d["dtype"], tokens_per_block=d["tokens_per_block"], groups=tuple(groups),
+            tp_rank=tp_rank, tp_size=tp_size, extra=tuple(sorted((str(k), str(v)) for k, v in extra.items())),
+            format_version=version,
         )
 
     @property
@@ -151,6 +188,9 @@ class Namespace:
         self.path = store.root / "ns" / self.id
         self.counters = Counters()
         self._array_dirs = {g.layer_group_id: str(self.path / f"g{g.layer_group_id}") for g in spec.groups}
+        self._unusable: dict[str, tuple[int, int]] = {}
+        """Chunk paths that failed verification but could not be quarantined (read-only store,
+        full disk), with the (inode, mtime) they had: lookups skip them until they change."""
 
     def array_path(self, group: int) -> Path:
         return self.path / f"g{group}"
@@ -162,72 +202,134 @@ class Namespace:
         """Called per key on every lookup: plain strings, no pathlib."""
         return f"{self._array_dirs[group]}/{fmt.chunk_relpath(self.store_key(group, key))}"
 
+    def chunk_location(self, group: int, key: bytes) -> tuple[str, str]:
+        """``(directory, file name)`` of the chunk, the directory relative to the store root
+        (``ns/<id>/g<gid>/c/<hi>/0``): what ``gdskv.transfer`` opens through ``store.fs``."""
+        hi, lo = fmt.chunk_index(self.store_key(group, key))
+        return f"ns/{self.id}/g{group}/c/{hi}/0", str(lo)
+
     def chunk_nbytes(self, group: int) -> int:
         return self.spec.group(group).bytes_per_page + fmt.TRAILER_BYTES
 
     def contains_many(self, group: int, keys: Sequence[bytes]) -> list[bool]:
-        """Presence of each key's chunk, with the size a complete chunk has.
-
-        One ``stat`` per key: cost is flat in the store's size. Payload checks happen at load.
-        """
+        """Presence of each key's chunk: a regular file (never a link) of the size a complete
+        chunk has. One ``lstat`` per key: cost is flat in the store's size. Payload checks
+        happen at load."""
         want = self.chunk_nbytes(group)
         out = []
         for key in keys:
+            path = self.chunk_path(group, key)
             try:
-                out.append(os.stat(self.chunk_path(group, key)).st_size == want)
+                st = os.lstat(path)
             except OSError:
                 out.append(False)
+                continue
+            ok = st.st_size == want and stat.S_ISREG(st.st_mode)
+            if ok and self._unusable and self._unusable.get(path) == (st.st_ino, st.st_mtime_ns):
+                ok = False
+            out.append(ok)
         return out
 
     def contains(self, group: int, key: bytes) -> bool:
         return self.contains_many(group, [key])[0]
 
-    def touch_many(self, group: int, keys: Sequence[bytes], lease_seconds: float = 0.0) -> int:
+    def lease_many(self, group: int, keys: Sequence[bytes], lease_seconds: float = 0.0) -> list[bool]:
         """Refresh recency of the chunks that exist, in the order given (root first gets the
-        oldest of the new stamps). Missing keys are skipped. Returns how many were touched.
-
-        ``lease_seconds``: also lease the chunks to a load that is to follow: their atime is set
-        that far into the future, and eviction (``gdskv.eviction``, in any process) leaves a chunk
-        alone while its atime lies ahead. Called by connectors' lookups (mtime = recency, atime =
-        lease; reads never move an atime forward, so a lease is only ever set here)."""
+        oldest of the new stamps), and lease them to a load that is to follow: their atime is set
+        ``lease_seconds`` into the future, and eviction (``gdskv.eviction``, in any process)
+        leaves a chunk alone while its atime lies ahead. Per key, whether it was set: False when
+        the chunk was not there at that moment (then it must not be promised).
+        Called by connectors' lookups (mtime = recency, atime = lease; reads never move an atime
+        forward, so a lease is only ever set here)."""
         now = time.time_ns()
         lease = int(lease_seconds * 1e9)
-        touched = 0
+        out = []
         for i, key in enumerate(keys):
             try:
-                os.utime(self.chunk_path(group, key), ns=(now + lease + i, now + i))
-                touched += 1
+                self.store.fs.utime(self.chunk_path(group, key), ns=(now + lease + i, now + i))
+                out.append(True)
             except OSError:
-                pass
-        return touched
+                out.append(False)
+        return out
+
+    def touch_many(self, group: int, keys: Sequence[bytes], lease_seconds: float = 0.0) -> int:
+        """``lease_many``, counting the chunks touched."""
+        return sum(self.lease_many(group, keys, lease_seconds))
 
     def remove(self, group: int, key: bytes) -> bool:
         try:
-            os.unlink(self.chunk_path(group, key))
+            self.store.fs.unlink(self.chunk_path(group, key))
             return True
         except FileNotFoundError:
             return False
 
     def quarantine(self, group: int, path: str, reason: str) -> Optional[str]:
-        """Move a chunk that failed verification out of the hierarchy; never deletes it."""
-        dest_dir = self.store.private / "quarantine" / self.id / f"g{group}"
-        dest_dir.mkdir(parents=True, exist_ok=True)
-        dest = dest_dir / f"{Path(path).name}.{reason}.{time.time_ns()}"
-        try:
-            os.rename(path, dest)
-        except FileNotFoundError:
+        """Move a chunk that failed verification out of the hierarchy (``PageStore.quarantine``);
+        never deletes it, never raises. Where it cannot be moved (read-only store, full disk) it
+        stays, is counted (``quarantine_failed``) and is skipped by lookups until it changes.
+        Called by ``gdskv.transfer`` on a bad load and by ``gdskv verify --repair``."""
+        dest = self.store.quarantine(self.id, group, path, reason)
+        if dest is None:
+            if self.store.fs.alive and os.path.lexists(path):
+                self.counters.add("quarantine_failed")
+                try:
+                    st = self.store.fs.lstat(path)
+                    self._unusable[path] = (st.st_ino, st.st_mtime_ns)
+                except OSError:
+                    pass
             return None
+        self._unusable.pop(path, None)
         self.counters.add("quarantined")
-        log.warning("gdskv: quarantined chunk %s (%s) to %s", path, reason, dest)
-        return str(dest)
+        return dest
+
+
+@dataclass(frozen=True)
+class ArrayDir:
+    """One layer group's array directory as found on disk (``ns/<ns_id>/g<group>``).
+    ``namespace`` is None when the namespace's metadata is missing, malformed or does not hash
+    to its directory's name: its chunks still take space (eviction sees them) but are never
+    served."""
+
+    ns_id: str
+    group: int
+    path: str
+    namespace: Optional[Namespace]
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """One entry of a chunk directory ``c/<hi>/0/`` (``lo`` None for names that are not a chunk
+    index, such as temp files; ``kind`` as ``gdskv.confined.Entry``)."""
+
+    hi: int
+    lo: Optional[int]
+    name: str
+    path: str
+    kind: str
+    st: Optional[os.stat_result]
+
+    def stat(self) -> os.stat_result:
+        if self.st is None:
+            raise FileNotFoundError(errno.ENOENT, "entry has no stat", self.path)
+        return self.st
+
+    @property
+    def is_chunk(self) -> bool:
+        """A published chunk file: a regular file named by its chunk index."""
+        return self.kind == "file" and self.lo is not None
 
 
 class PageStore:
-    """A gdskv store at ``root``. Cheap to open; safe to open from many processes at once."""
+    """A gdskv store at ``root``. Cheap to open; safe to open from many processes at once.
 
-    def __init__(self, root: Path):
+    Every change to the tree goes through ``fs`` (``gdskv.confined``): nothing outside the root
+    is ever created, moved, removed or touched, whatever links the tree holds. Files are created
+    with ``file_mode``, directories with ``dir_mode`` (owner-only by default)."""
+
+    def __init__(self, root: Path, file_mode: int = 0o600, dir_mode: int = 0o700):
         self.root = root
         self.private = root / PRIVATE_DIR
+        self.fs = ConfinedDir(root, file_mode, dir_mode)
         self._namespaces: dict[str, Namespace] = {}
         self._lock = threading.Lock()
         self.budget: Optional[Any] = None
@@ -236,10 +338,17 @@ class PageStore:
         self._stats_name = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}.json"
 
     @classmethod
-    def open(cls, path: str | os.PathLike, create: bool = True) -> "PageStore":
+    def open(cls, path: str | os.PathLike, create: bool = True, file_mode: int = 0o600, dir_mode: int = 0o700) -> "PageStore":
+        """Open the store at ``path``; with ``create``, make it when ``path`` is missing or an
+        empty directory. ``StoreError`` (saying why) for anything else: a file, a non-empty
+        directory that is not a gdskv store, links where the store's own directories belong,
+        a root ``zarr.json`` that does not parse. Called at bring-up by connectors, the CLI,
+        the demo and the benchmarks."""
         root = Path(path)
         meta = root / "zarr.json"
-        if meta.exists():
+        if root.exists() and not root.is_dir():
+            raise StoreError(f"{root} is not a directory")
+        if os.path.lexists(meta):
             if not is_store(root):
                 raise StoreError(f"{root} is a Zarr hierarchy but not a gdskv store (no '{STORE_ATTR}' attribute)")
         elif not create:
@@ -247,33 +356,58 @@ class PageStore:
         elif root.exists() and any(root.iterdir()):
             raise StoreError(f"{root} exists, is not empty and is not a gdskv store; refusing to use it")
         else:
-            root.mkdir(parents=True, exist_ok=True)
-            with _flock(root):
-                if not meta.exists():
-                    zarr.open_group(str(root), mode="a", zarr_format=3, attributes={STORE_ATTR: {"format_version": fmt.FORMAT_VERSION}})
-        store = cls(root)
+            existed = root.exists()
+            root.mkdir(parents=True, exist_ok=True, mode=dir_mode)
+            if not existed:
+                os.chmod(root, dir_mode)
+            fresh = cls(root, file_mode, dir_mode)
+            with fresh._flock():
+                if not os.path.lexists(meta):
+                    fresh._write_metadata("", _root_metadata())
+            return cls._checked(fresh)
+        store = cls(root, file_mode, dir_mode)
+        return cls._checked(store)
+
+    @classmethod
+    def _checked(cls, store: "PageStore") -> "PageStore":
+        root = store.root
+        for name in (PRIVATE_DIR, "ns"):
+            if (root / name).is_symlink() or os.path.lexists(root / name) and not (root / name).is_dir():
+                raise StoreError(f"{root / name} is not a directory of this store (a link or a file); refusing to use {root}")
         version = store.attributes().get("format_version")
         if version != fmt.FORMAT_VERSION:
-            raise StoreError(f"{root} has gdskv format version {version}; this gdskv reads {fmt.FORMAT_VERSION}")
+            raise StoreError(f"{root} has gdskv format version {version!r}; this gdskv reads {fmt.FORMAT_VERSION}")
         return store
 
+    @classmethod
+    def from_config(cls, cfg: Any, create: bool = True) -> "PageStore":
+        """``open`` at the config's ``store_path`` with its ``file_mode`` / ``dir_mode``. The
+        bring-up of every connector, the demo and the CLI."""
+        return cls.open(cfg.store_path, create, cfg.file_mode, cfg.dir_mode)
+
     def attributes(self) -> dict[str, Any]:
-        return json.loads((self.root / "zarr.json").read_text()).get("attributes", {}).get(STORE_ATTR, {})
+        """The root group's ``gdskv`` attribute (``{}`` when it cannot be read)."""
+        return _store_attr(self.root) or {}
 
     def namespace(self, spec: NamespaceSpec) -> Namespace:
-        """The namespace for ``spec``, created (group + one array per layer group) if new."""
+        """The namespace for ``spec``, created (group + one array per layer group) if new.
+        ``OSError`` saying so when it cannot be created (full disk, read-only store, links in the
+        way): connectors then serve nothing, the CLI prints one line."""
         ns_id = spec.namespace_id
         with self._lock:
             if ns_id in self._namespaces:
                 return self._namespaces[ns_id]
             ns = Namespace(self, spec)
-            if not (ns.path / "zarr.json").exists() or any(not (ns.array_path(g.layer_group_id) / "zarr.json").exists() for g in spec.groups):
-                self._create_namespace(ns)
+            if not _is_file(ns.path / "zarr.json") or any(not _is_file(ns.array_path(g.layer_group_id) / "zarr.json") for g in spec.groups):
+                try:
+                    self._create_namespace(ns)
+                except OSError as e:
+                    raise OSError(e.errno, f"cannot create namespace {ns.id} in {self.root}: {e.strerror or e}") from None
             self._namespaces[ns_id] = ns
             return ns
 
     def _create_namespace(self, ns: Namespace) -> None:
-        with _flock(self.root):
+        with self._flock():
             others = [o for o in self.namespaces() if o.spec.model == ns.spec.model and o.id != ns.id and o.spec.tp_rank == ns.spec.tp_rank]
             if others:
                 log.warning(
@@ -281,82 +415,183 @@ class PageStore:
                     "configuration goes to a new namespace %s (no hits from the old ones)",
                     self.root, ", ".join(o.id for o in others), ns.spec.model, ns.id,
                 )
-            grp = zarr.open_group(str(self.root), mode="a").require_group(f"ns/{ns.id}")
-            grp.attrs[NAMESPACE_ATTR] = ns.spec.to_json()
-            for g in ns.spec.groups:
-                if (ns.array_path(g.layer_group_id) / "zarr.json").exists():
-                    continue
-                shape = fmt.array_shape(g.bytes_per_page)
-                grp.create_array(
-                    f"g{g.layer_group_id}", shape=shape, chunks=(1, shape[1], 1), dtype="uint8",
-                    fill_value=0, compressors=None, config={"write_empty_chunks": True},
-                    attributes={"gdskv_group": asdict(g) | {"layer_ids": list(g.layer_ids)},
-                                "gdskv_layout": "chunk = page bytes || 128-byte trailer; see FORMAT.md"},
-                )
+            for rel, doc in _namespace_metadata(ns).items():
+                self._write_metadata(rel, doc)
+
+    def _write_metadata(self, rel_dir: str, doc: bytes) -> None:
+        """Write a Zarr ``zarr.json`` document into ``rel_dir`` (made if missing) through
+        ``fs``: never through a link, always with the store's file mode."""
+        path = f"{rel_dir}/zarr.json" if rel_dir else "zarr.json"
+        self.fs.write_atomic(path, doc, f"{fmt.TMP_MARK}{os.getpid()}.{time.time_ns():x}")
 
     def namespaces(self) -> list[Namespace]:
-        """Every namespace on disk (including ones other processes created)."""
-        out = []
-        base = self.root / "ns"
-        if not base.is_dir():
-            return out
-        for d in sorted(base.iterdir()):
-            try:
-                attrs = json.loads((d / "zarr.json").read_text())["attributes"][NAMESPACE_ATTR]
-            except (OSError, KeyError, ValueError):
+        """Every sound namespace on disk (including ones other processes created): metadata that
+        parses, passes ``NamespaceSpec.from_json`` and hashes to its directory's name."""
+        return [ns for ns, why in self._scan_namespaces() if why is None]
+
+    def damaged_namespaces(self) -> list[tuple[str, str]]:
+        """``(namespace id, why)`` of namespace directories whose metadata is missing, malformed
+        or inconsistent: never served; ``gdskv info`` lists them, eviction still sees their
+        chunks."""
+        return [(ns_id, why) for ns_id, why in self._scan_namespaces() if why is not None]
+
+    def _scan_namespaces(self) -> list[tuple[Any, Any]]:
+        """``(Namespace, None)`` per sound namespace, ``(id, why)`` per damaged one."""
+        out: list[tuple[Any, Any]] = []
+        for e in sorted(self.fs.scandir("ns"), key=lambda e: e.name):
+            if e.kind != "dir" or not NAMESPACE_ID.match(e.name):
                 continue
-            spec = NamespaceSpec.from_json(attrs)
-            out.append(self._namespaces.get(spec.namespace_id) or Namespace(self, spec))
+            try:
+                doc = json.loads(self.fs.read_small(f"ns/{e.name}/zarr.json"))
+                spec = NamespaceSpec.from_json(doc["attributes"][NAMESPACE_ATTR] if isinstance(doc, dict) and isinstance(doc.get("attributes"), dict) and NAMESPACE_ATTR in doc["attributes"] else None)
+            except FileNotFoundError:
+                out.append((e.name, "no metadata (zarr.json)"))
+                continue
+            except (OSError, ValueError, UnicodeDecodeError) as err:
+                out.append((e.name, str(err)))
+                continue
+            if spec.namespace_id != e.name:
+                out.append((e.name, f"metadata describes namespace {spec.namespace_id}, not {e.name}"))
+                continue
+            out.append((self._namespaces.get(spec.namespace_id) or Namespace(self, spec), None))
         return out
 
+    def arrays(self, namespaces: Optional[Sequence[Namespace]] = None) -> list[ArrayDir]:
+        """Every layer-group array directory on disk (``ns/<id>/g<gid>``, real directories
+        only), of ``namespaces`` (default: all, damaged namespaces included). The one walk of
+        the tree: eviction, garbage collection, verification and listings start here."""
+        if namespaces is not None:
+            return [ArrayDir(ns.id, g.layer_group_id, str(ns.array_path(g.layer_group_id)), ns)
+                    for ns in namespaces for g in ns.spec.groups]
+        sound = {ns.id: ns for ns in self.namespaces()}
+        out = []
+        for e in sorted(self.fs.scandir("ns"), key=lambda e: e.name):
+            if e.kind != "dir" or not NAMESPACE_ID.match(e.name):
+                continue
+            ns = sound.get(e.name)
+            for g in sorted(self.fs.scandir(f"ns/{e.name}"), key=lambda g: g.name):
+                if g.kind == "dir" and GROUP_DIR.match(g.name):
+                    gid = int(g.name[1:])
+                    owner = ns if ns is not None and any(x.layer_group_id == gid for x in ns.spec.groups) else None
+                    out.append(ArrayDir(e.name, gid, f"{self.root}/ns/{e.name}/{g.name}", owner))
+        return out
+
+    def chunk_entries(self, array: ArrayDir, with_stat: bool = True) -> Iterator[ChunkEntry]:
+        """Every entry of every chunk directory (``c/<hi>/0/``) of ``array``; directories that
+        are links or not named as Zarr names them are skipped, never entered."""
+        base = f"ns/{array.ns_id}/g{array.group}/c"
+        for hi in self.fs.scandir(base):
+            if hi.kind != "dir" or not hi.name.isdigit():
+                continue
+            hi_n = int(hi.name)
+            sub = f"{base}/{hi.name}/0"
+            for e in self.fs.scandir(sub, with_stat=with_stat):
+                lo = int(e.name) if e.name.isdigit() else None
+                yield ChunkEntry(hi_n, lo, e.name, f"{self.root}/{sub}/{e.name}", e.kind, e.st)
+
+    def iter_chunk_files(self, namespaces: Optional[Sequence[Namespace]] = None) -> Iterator[tuple[Namespace, int, ChunkEntry]]:
+        """Every published chunk file of sound ``namespaces`` (default all): ``(namespace,
+        group, entry)``. Called by tests and tools that read chunks."""
+        for array in self.arrays(namespaces if namespaces is not None else self.namespaces()):
+            for e in self.chunk_entries(array):
+                if e.is_chunk and array.namespace is not None:
+                    yield array.namespace, array.group, e
+
+    def quarantine(self, ns_id: str, group: int, path: str, reason: str) -> Optional[str]:
+        """Move the entry at ``path`` (a chunk, or whatever sits where a chunk belongs: a link
+        moves as a link) to ``.gdskv/quarantine/<ns_id>/g<group>/``; the destination, or None
+        when it is gone or cannot be moved (logged). Never raises, never deletes."""
+        name = os.path.basename(path)
+        dest = f"{PRIVATE_DIR}/quarantine/{ns_id}/g{int(group)}/{name}.{reason}.{time.time_ns()}"
+        try:
+            self.fs.makedirs(os.path.dirname(dest))
+            self.fs.rename(path, dest)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.warning("gdskv: %s failed verification (%s) and could not be quarantined: %s", path, reason, e)
+            return None
+        log.warning("gdskv: quarantined chunk %s (%s) to %s", path, reason, self.fs.abspath(dest))
+        return self.fs.abspath(dest)
+
     def flush_stats(self) -> None:
-        """Write this process's counters (all namespaces) to ``stats/``, atomically."""
+        """Write this process's counters (all namespaces) to ``stats/``, atomically; a failure
+        (full disk, removed store) is logged and leaves no temp file behind."""
         data = {ns_id: ns.counters.snapshot() for ns_id, ns in self._namespaces.items()}
         if not any(data.values()):
             return
-        d = self.private / "stats"
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            tmp = d / f"{self._stats_name}{fmt.TMP_MARK}{os.getpid()}"
-            tmp.write_text(json.dumps({"updated": time.time(), "namespaces": data}))
-            os.replace(tmp, d / self._stats_name)
+            self.fs.write_atomic(f"{PRIVATE_DIR}/stats/{self._stats_name}",
+                                 json.dumps({"updated": time.time(), "namespaces": data}).encode(),
+                                 f"{fmt.TMP_MARK}{os.getpid()}")
         except OSError as e:  # a full disk must not break serving
-            log.warning("gdskv: could not write stats to %s: %s", d, e)
+            log.warning("gdskv: could not write stats to %s: %s", self.private / "stats", e)
 
-    def iter_chunk_files(self, namespaces: Optional[Sequence[Namespace]] = None) -> Iterator[tuple[Namespace, int, os.DirEntry]]:
-        """Every published chunk file (of ``namespaces``, default all): ``(namespace, group,
-        entry)``. Skips temp files; a directory removed meanwhile (eviction, gc) is skipped too.
-        Called by ``gdskv verify`` and tests."""
-        for ns in self.namespaces() if namespaces is None else namespaces:
-            for g in ns.spec.groups:
-                for hi in _scandir_or_empty(str(ns.array_path(g.layer_group_id) / "c")):
-                    for e in _scandir_or_empty(os.path.join(hi.path, "0")):
-                        if e.is_file(follow_symlinks=False) and not fmt.is_temp_name(e.name):
-                            yield ns, g.layer_group_id, e
+    @contextmanager
+    def _flock(self) -> Iterator[None]:
+        """An exclusive advisory lock on the store for metadata creation (not the data path)."""
+        self.fs.makedirs(PRIVATE_DIR)
+        fd = self.fs.open(f"{PRIVATE_DIR}/lock", os.O_CREAT | os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
-def _scandir_or_empty(path: str) -> list[os.DirEntry]:
+def _metadata_documents(build) -> dict[str, bytes]:
+    """Zarr's own ``zarr.json`` documents for a hierarchy ``build`` makes in memory (written to
+    disk by ``PageStore._write_metadata``, so that zarr never writes through a link)."""
+    mem = MemoryStore()
+    build(zarr.open_group(store=mem, mode="w", zarr_format=3))
+    return {key.rpartition("/")[0]: buf.to_bytes() for key, buf in mem._store_dict.items() if key.endswith("zarr.json")}
+
+
+def _root_metadata() -> bytes:
+    return _metadata_documents(lambda g: g.attrs.update({STORE_ATTR: {"format_version": fmt.FORMAT_VERSION}}))[""]
+
+
+def _namespace_metadata(ns: Namespace) -> dict[str, bytes]:
+    """``{relative directory: zarr.json}`` of a namespace group and its arrays."""
+
+    def build(root: Any) -> None:
+        grp = root.require_group(f"ns/{ns.id}")
+        grp.attrs[NAMESPACE_ATTR] = ns.spec.to_json()
+        for g in ns.spec.groups:
+            shape = fmt.array_shape(g.bytes_per_page)
+            grp.create_array(
+                f"g{g.layer_group_id}", shape=shape, chunks=(1, shape[1], 1), dtype="uint8",
+                fill_value=0, compressors=None, config={"write_empty_chunks": True},
+                attributes={"gdskv_group": asdict(g) | {"layer_ids": list(g.layer_ids)},
+                            "gdskv_layout": "chunk = page bytes || 128-byte trailer; see FORMAT.md"},
+            )
+
+    return {rel: doc for rel, doc in _metadata_documents(build).items() if rel.startswith("ns/")}
+
+
+def _is_file(path: Path) -> bool:
     try:
-        return list(os.scandir(path))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def is_store(root: Path) -> bool:
-    try:
-        return STORE_ATTR in json.loads((Path(root) / "zarr.json").read_text()).get("attributes", {})
-    except (OSError, ValueError):
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
         return False
 
 
-@contextmanager
-def _flock(root: Path) -> Iterator[None]:
-    """An exclusive advisory lock on the store for metadata creation (not the data path)."""
-    (root / PRIVATE_DIR).mkdir(exist_ok=True)
-    fd = os.open(root / PRIVATE_DIR / "lock", os.O_CREAT | os.O_RDWR, 0o644)
+def _store_attr(root: Path) -> Optional[dict[str, Any]]:
+    """The root ``zarr.json``'s ``gdskv`` attribute when it is a regular file that parses into
+    an object, else None."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        fs = ConfinedDir(root)
+        try:
+            doc = json.loads(fs.read_small("zarr.json"))
+        finally:
+            fs.close()
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    value = attrs.get(STORE_ATTR) if isinstance(attrs, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def is_store(root: Path) -> bool:
+    return _store_attr(Path(root)) is not None

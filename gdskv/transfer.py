@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from gdskv import format as fmt
+from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path
 from gdskv.io.base import IoEngine, Segment, ShortReadError
 from gdskv.store import Namespace
 
@@ -119,6 +120,17 @@ class PageTransfer:
         expected = ns.spec.group(group).bytes_per_page
         if nbytes != expected:
             raise ValueError(f"layer group {group}: page is {nbytes} bytes, namespace expects {expected}")
+        try:
+            return self._save_checked(group, key, parent, segments, path, nbytes)
+        except Exception as e:  # never into the serving loop: a bug here is a dropped save, logged
+            log.exception("gdskv: save of %s failed unexpectedly: %s", path, e)
+            ns.counters.add("saves_dropped")
+            ns.counters.add("saves_error")
+            return SaveStatus.DROPPED
+
+    def _save_checked(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor], path: str,
+                      nbytes: int) -> SaveStatus:
+        ns = self.ns
         if ns.contains_many(group, [key])[0]:
             ns.counters.add("saves_exists")
             return SaveStatus.EXISTS
@@ -129,20 +141,18 @@ class PageTransfer:
             return SaveStatus.DROPPED
         algo, checksum = payload_checksum(segments, self._checksum)
         trailer = fmt.pack(fmt.Trailer(group, nbytes, checksum, ns.store_key(group, key), key, parent, algo))
-        tmp = f"{path}{fmt.TMP_MARK}{os.getpid()}.{next(self._tmp_seq):x}"
         segs, off = [], 0
         for s in segments:
             segs.append(Segment(off, s))
             off += s.numel()
         segs.append(Segment(off, trailer))
         try:
-            self._write_and_publish(tmp, path, segs)
+            self._write_and_publish(group, key, segs)
         except OSError as e:
-            _unlink_quietly(tmp)
             ns.counters.add("saves_dropped")
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 ns.counters.add("saves_dropped_disk_full")
-            self._warn("save", f"gdskv: save of a page to {path} dropped: {e}")
+            self._warn("save", f"gdskv: save of a page to {path} dropped: {e}{self._store_state()}")
             return SaveStatus.DROPPED
         finally:
             self._maybe_flush()
@@ -152,19 +162,38 @@ class PageTransfer:
             budget.on_published(ns, group, key, parent, nbytes + fmt.TRAILER_BYTES)
         return SaveStatus.PUBLISHED
 
-    def _write_and_publish(self, tmp: str, path: str, segs: list[Segment]) -> None:
-        """Write the temp file and rename it into place. The chunk's directory is made only when
-        the write finds it missing (a store in service has it: no syscalls spent per save); when
-        ``gdskv gc`` removes an empty directory between that and the write, the save is dropped."""
+    def _write_and_publish(self, group: int, key: bytes, segs: list[Segment]) -> None:
+        """Write a temp file beside the chunk and rename it into place, inside the chunk's
+        directory opened through ``store.fs`` (no link on the way, nothing outside the store).
+        The directory is made only when it is missing (a store in service has it: no syscalls
+        spent per save). Something that is not a file where the chunk belongs (a directory) is
+        quarantined and the rename tried once more."""
+        rel_dir, name = self.ns.chunk_location(group, key)
+        fs = self.ns.store.fs
         for attempt in (0, 1):
             try:
-                self.engine.write_now(tmp, segs)
-                os.replace(tmp, path)
+                with fs.directory(rel_dir, create=attempt == 1) as dfd:
+                    tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.{next(self._tmp_seq):x}"
+                    try:
+                        self.engine.write_now(dir_path(dfd, tmp), segs)
+                        try:
+                            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                        except (IsADirectoryError, NotADirectoryError, OSError) as e:
+                            if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                                raise
+                            self.ns.quarantine(group, fs.abspath(f"{rel_dir}/{name}"), "not-a-file")
+                            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    except BaseException:
+                        _unlink_quietly(tmp, dfd)
+                        raise
                 return
             except FileNotFoundError:
                 if attempt:
                     raise
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def _store_state(self) -> str:
+        """A note for log lines when the store's directory itself was removed under this process."""
+        return "" if self.ns.store.fs.alive else " (the store directory was removed; restart to use a new one)"
 
     # --- loads --------------------------------------------------------------------------------
     def load_page(self, group: int, key: bytes, segments: Sequence[torch.Tensor]) -> "Future[LoadStatus]":
@@ -188,16 +217,21 @@ class PageTransfer:
         if budget is not None:
             budget.pin(path)
         try:
-            self.engine.read_now(path, segs)
-            reason = self._verify(group, key, nbytes, bytes(trailer), segments)
+            reason = self._read_and_verify(group, key, nbytes, segs, trailer, segments)
         except FileNotFoundError:
             ns.counters.add("loads_missing")
             return LoadStatus.MISSING
-        except ShortReadError:
-            reason = "truncated"
+        except OutsideStoreError as e:
+            ns.counters.add("loads_refused")
+            self._warn("refused", f"gdskv: load of {path} refused: {e}")
+            return LoadStatus.MISSING
         except OSError as e:
-            self._warn("load", f"gdskv: load of {path} failed: {e}")
+            self._warn("load", f"gdskv: load of {path} failed: {e}{self._store_state()}")
             ns.counters.add("loads_io_error")
+            return LoadStatus.MISSING
+        except Exception as e:  # never into the serving loop: a bug here is a miss, logged
+            log.exception("gdskv: load of %s failed unexpectedly: %s", path, e)
+            ns.counters.add("loads_error")
             return LoadStatus.MISSING
         finally:
             if budget is not None:
@@ -207,13 +241,45 @@ class PageTransfer:
             ns.counters.add("loads_corrupt")
             ns.quarantine(group, path, reason)
             return LoadStatus.CORRUPT
-        try:
-            os.utime(path)
-        except OSError:
-            pass
         ns.counters.add("loads_hit")
         ns.counters.add("bytes_read", nbytes)
         return LoadStatus.LOADED
+
+    def _read_and_verify(self, group: int, key: bytes, nbytes: int, segs: list[Segment], trailer: bytearray,
+                         segments: list[torch.Tensor]) -> Optional[str]:
+        """Read the chunk through its confined directory and verify it: None when it is this
+        key's page (its recency is then refreshed), else the quarantine reason. A chunk that
+        is momentarily absent is looked for once more: eviction renames a chunk aside before it
+        decides, and puts it back when a lease vetoes (``gdskv.eviction``)."""
+        rel_dir, name = self.ns.chunk_location(group, key)
+        fs = self.ns.store.fs
+        for attempt in (0, 1):
+            try:
+                with fs.directory(rel_dir) as dfd:
+                    try:
+                        self.engine.read_now(dir_path(dfd, name), segs)
+                    except ShortReadError:
+                        return "truncated"
+                    except NotRegularFileError:
+                        return "not-a-file"
+                    except OSError as e:
+                        if e.errno == errno.ELOOP:
+                            return "link"
+                        if e.errno in (errno.ENXIO, errno.EISDIR):
+                            return "not-a-file"
+                        raise
+                    reason = self._verify(group, key, nbytes, bytes(trailer), segments)
+                    if reason is None:
+                        try:
+                            os.utime(name, dir_fd=dfd, follow_symlinks=False)
+                        except OSError:
+                            pass
+                    return reason
+            except FileNotFoundError:
+                if attempt:
+                    raise
+                time.sleep(0.002)
+        raise AssertionError("unreachable")
 
     def _verify(self, group: int, key: bytes, nbytes: int, raw: bytes, segments: list[torch.Tensor]) -> Optional[str]:
         """None when the chunk is exactly this key's page; otherwise the reason it is not."""
@@ -251,8 +317,8 @@ class PageTransfer:
         self.ns.store.flush_stats()
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(name: str, dir_fd: int) -> None:
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass

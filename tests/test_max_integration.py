@@ -1,8 +1,9 @@
 """gdskv's KVConnector inside a real Modular MAX pipeline, on CPU (``pytest -m max``).
 
 Installs ``max[serve]==26.7.0`` into its own virtualenv (``GDSKV_MAX_VENV``, default
-``~/.cache/gdskv-test/venv-max``, kept between runs) when it is missing (a virtualenv that also
-sees this interpreter's packages: torch, zarr), builds a tiny random fp32
+``~/.cache/gdskv-test/venv-max``, kept between runs and reused when it already has what the
+test needs), together with gdskv's own dependencies (read from ``pyproject.toml``; gdskv itself
+comes from this checkout through ``PYTHONPATH``), builds a tiny random fp32
 Llama offline (``scripts/make_tiny_llama.py``), and runs ``max generate --devices cpu`` in
 separate processes on one store:
 
@@ -31,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ pytestmark = pytest.mark.max
 REPO = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("GDSKV_MAX_VENV") or Path.home() / ".cache" / "gdskv-test" / "venv-max")
 MAX_REQUIREMENT = "max[serve]==26.7.0"
+TORCH_REQUIREMENT = "torch==2.13.0"
 PAGE_TOKENS = 128
 PROMPT = " ".join(["the store is a zarr hierarchy with one chunk per block hash"] * 15)
 RUN_TIMEOUT = 900
@@ -53,23 +56,37 @@ def _venv_python() -> Path:
     return VENV / "bin" / "python"
 
 
+def _gdskv_requirements() -> list[str]:
+    """gdskv's runtime dependencies, as ``pyproject.toml`` lists them, with torch pinned to the
+    release the README installs (the CPU build these machines carry)."""
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return [TORCH_REQUIREMENT] + [d for d in deps if not d.replace(" ", "").startswith("torch")]
+
+
 def _venv_ready() -> bool:
+    """Whether the virtualenv runs MAX and imports gdskv's MAX connector from this checkout."""
     py = _venv_python()
     if not py.exists():
         return False
-    probe = subprocess.run([str(py), "-c", "import max.pipelines, torch, zarr, transformers"], capture_output=True)
+    probe = subprocess.run([str(py), "-c", "import max.pipelines, transformers, gdskv.connectors.max"],
+                           capture_output=True, env=_env({}), cwd=REPO)
     return probe.returncode == 0
 
 
 @pytest.fixture(scope="session")
 def max_python() -> Path:
-    """The MAX virtualenv's interpreter, with MAX installed; creates the virtualenv when needed."""
+    """The MAX virtualenv's interpreter, with MAX and gdskv's dependencies installed; creates or
+    completes the virtualenv when needed. The virtualenv is self-contained (no
+    ``--system-site-packages``: from inside another virtualenv that would expose the base
+    interpreter's packages, not this one's)."""
     if not _venv_ready():
         VENV.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(VENV)], check=True)
+        if not _venv_python().exists():
+            subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
         pip = [str(_venv_python()), "-m", "pip", "install", "-q"]
         subprocess.run(pip + ["--upgrade", "pip", "setuptools"], check=True)  # pip 23's resolver gives up on max[serve]
-        subprocess.run(pip + [MAX_REQUIREMENT], check=True)
+        subprocess.run(pip + [MAX_REQUIREMENT] + _gdskv_requirements(), check=True)
+        assert _venv_ready(), f"{VENV} still cannot import MAX and gdskv's connector after installing"
     return _venv_python()
 
 

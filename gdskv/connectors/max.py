@@ -244,7 +244,7 @@ class GdsKvConnector:
         ident |= dict(extra or {})
         spec = NamespaceSpec(model, dtype, int(tokens_per_block), groups, 0, tp_size,
                              extra=tuple(sorted((str(k), str(v)) for k, v in ident.items())))
-        self._store = PageStore.open(self._cfg.store_path)
+        self._store = PageStore.from_config(self._cfg)
         install_budget(self._store, self._cfg)
         collect_in_background(self._store)
         self._namespaces: list[Namespace] = [self._store.namespace(spec.with_rank(r)) for r in range(tp_size)]

@@ -313,7 +313,7 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
             return False
         base = specs[min(specs)]
         try:
-            store = PageStore.open(self._cfg.store_path)
+            store = PageStore.from_config(self._cfg)
             self._namespaces = [store.namespace(specs.get(r) or base.with_rank(r)) for r in range(self._deployment.tp_size)]
         except (OSError, StoreError) as e:
             self.counters.store_errors += 1
@@ -350,13 +350,11 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         rid = int(request.request_id)
         tokens = list(request.get_tokens(0))
         salt = getattr(request, "cache_salt", None)
-        lookup = plan_lookup(tokens, salt, self._tokens_per_block, num_computed_tokens, len(self._windows), self._stored)
+        for attempt in (0, 1):
+            lookup = plan_lookup(tokens, salt, self._tokens_per_block, num_computed_tokens, len(self._windows), self._stored)
+            if self._lease(lookup.keys[lookup.first_block:lookup.end_block]) or attempt:
+                break  # a chunk evicted between the presence check and its lease: plan again without it
         self._requests[rid] = new_request(rid, tokens, salt, self._tokens_per_block, len(self._windows), lookup)
-        served = list(lookup.keys[lookup.first_block:lookup.end_block])
-        if served:
-            for ns in self._namespaces or ():
-                for g in range(len(self._windows)):
-                    ns.touch_many(g, served, lease_seconds=LOOKUP_LEASE_SECONDS)
         self.counters.lookups += 1
         self.counters.lookup_tokens += len(tokens)
         self.counters.matched_tokens += lookup.num_new_tokens
@@ -366,6 +364,15 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         shared.add("lookup_matched_tokens", lookup.num_new_tokens)
         log.debug("gdskv: request %d: %d of %d prompt tokens from the store", rid, lookup.num_new_tokens, len(tokens))
         return lookup.num_new_tokens, False
+
+    def _lease(self, served: Sequence[bytes]) -> bool:
+        """Lease every served chunk (all groups, all ranks) to the load that follows, so eviction
+        in any process leaves them alone; False when one was gone by then."""
+        ok = True
+        for ns in self._namespaces or ():
+            for g in range(len(self._windows)):
+                ok = all(ns.lease_many(g, list(served), lease_seconds=LOOKUP_LEASE_SECONDS)) and ok
+        return ok
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Flat form (single layer group): pages of the first chunk."""
@@ -519,7 +526,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
         self._group_of_layer = {layer: gid for gid, layers in self._group_layers.items() for layer in layers}
         self._windows = {g.layer_group_id: g.window_size for g in layout.groups}
         try:
-            store = PageStore.open(self._cfg.store_path)
+            store = PageStore.from_config(self._cfg)
             ns = store.namespace(spec)
             install_budget(store, self._cfg)
             collect_in_background(store)

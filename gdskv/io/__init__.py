@@ -22,5 +22,7 @@ def make_engine(cfg: GdsKvConfig) -> IoEngine:
         from gdskv.io.kvikio_engine import KvikioEngine
 
         return KvikioEngine(threads=cfg.kvikio_threads, task_size=cfg.kvikio_task_size, fsync=cfg.fsync,
-                            direct_writes=cfg.o_direct != "off", direct_reads=cfg.o_direct == "all")
-    return PosixEngine(threads=cfg.io_threads, o_direct=cfg.o_direct != "off", fsync=cfg.fsync, direct_reads=cfg.o_direct == "all")
+                            direct_writes=cfg.o_direct != "off", direct_reads=cfg.o_direct == "all",
+                            file_mode=cfg.file_mode)
+    return PosixEngine(threads=cfg.io_threads, o_direct=cfg.o_direct != "off", fsync=cfg.fsync, direct_reads=cfg.o_direct == "all",
+                       file_mode=cfg.file_mode)

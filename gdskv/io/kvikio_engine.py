@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from gdskv.confined import open_data_file
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
 
 # errno values by their strerror text: kvikio reports system errors as RuntimeError whose message
@@ -49,13 +50,14 @@ class KvikioEngine(IoEngine):
     name = "kvikio"
 
     def __init__(self, threads: int = 4, task_size: int = 4 << 20, fsync: bool = False,
-                 direct_writes: bool = True, direct_reads: bool = False) -> None:
+                 direct_writes: bool = True, direct_reads: bool = False, file_mode: int = 0o600) -> None:
         """``threads``: kvikio's thread pool size, and the number of ``read``/``write`` calls in
         flight at once (``read_now``/``write_now`` run on their callers' threads).
         ``task_size``: the bytes one kvikio task moves (a segment is split into tasks of this size).
         ``fsync``: flush each written file to the device before the call returns.
         ``direct_writes``/``direct_reads``: kvikio's ``auto_direct_io_write``/``_read`` (compat
         mode: O_DIRECT for page-aligned host memory), where this kvikio has them.
+        ``file_mode``: permissions of the files it creates.
         """
         import kvikio
         import kvikio.defaults
@@ -76,6 +78,7 @@ class KvikioEngine(IoEngine):
         self.threads = threads
         self.task_size = task_size
         self.fsync = fsync
+        self.file_mode = file_mode
         self._gds = _gds_usable(kvikio)
         self._calls = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-kvikio")
 
@@ -106,10 +109,14 @@ class KvikioEngine(IoEngine):
         return self._run(path, segments, "w")
 
     def _run(self, path: str, segments: Sequence[Segment], flags: str) -> int:
-        """One call: open, issue every segment, wait for all, close."""
+        """One call: open, issue every segment, wait for all, close. The file is opened by
+        ``open_data_file`` first (no link, no FIFO, exact mode) and kvikio reopens that very
+        file through ``/proc/self/fd``."""
+        fd = open_data_file(path, write=flags == "w", mode=self.file_mode)
         try:
-            handle = self._kvikio.CuFile(path, flags)
+            handle = self._kvikio.CuFile(f"/proc/self/fd/{fd}", flags)
         except RuntimeError as exc:
+            os.close(fd)
             raise _os_error(exc, path) from exc
         try:
             pending = []
@@ -142,6 +149,7 @@ class KvikioEngine(IoEngine):
             return total
         finally:
             handle.close()
+            os.close(fd)
 
     def close(self) -> None:
         self._calls.shutdown(wait=True)

@@ -37,6 +37,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from gdskv.confined import open_data_file
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, host_view, tensor_bytes
 
 ALIGN = 4096
@@ -49,15 +50,16 @@ class PosixEngine(IoEngine):
     name = "posix"
 
     def __init__(self, threads: int = 8, o_direct: bool = False, fsync: bool = False,
-                 direct_reads: bool = True):
+                 direct_reads: bool = True, file_mode: int = 0o600):
         """``threads``: the pool behind ``read``/``write`` (``read_now``/``write_now`` use none).
         ``o_direct``: move aligned segments with ``O_DIRECT``; ``direct_reads``: reads too, not
         only writes (no effect without ``o_direct``). ``fsync``: flush each written file before
-        the call returns."""
+        the call returns. ``file_mode``: permissions of the files it creates."""
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-posix")
         self.o_direct = o_direct and hasattr(os, "O_DIRECT")
         self.direct_reads = self.o_direct and direct_reads
         self.fsync = fsync
+        self.file_mode = file_mode
         self._bounce = threading.local()
 
     def _staging(self, nbytes: int) -> torch.Tensor:
@@ -84,15 +86,10 @@ class PosixEngine(IoEngine):
         return self._pool.submit(self.write_now, path, list(segments))
 
     def read_now(self, path: str, segments: Sequence[Segment]) -> int:
-        fd = self._open_direct(path, os.O_RDONLY) if self.direct_reads and _direct_candidate(segments) else None
-        direct = fd is not None
-        if not direct:
-            fd = os.open(path, os.O_RDONLY)
+        fd = open_data_file(path, write=False)
         try:
-            if direct:
-                if not _cached(fd, segments):
-                    return self._read_direct(path, fd, segments)
-                fcntl.fcntl(fd, fcntl.F_SETFL, 0)  # a cached chunk: this descriptor reads it from the cache
+            if self.direct_reads and _direct_candidate(segments) and not _cached(fd, segments) and self._set_direct(fd, path):
+                return self._read_direct(path, fd, segments)
             views = _host_views_end_to_end(segments)
             if views is not None:
                 return _read_exactly(path, fd, views, segments[0].file_offset)
@@ -141,9 +138,10 @@ class PosixEngine(IoEngine):
         return want
 
     def write_now(self, path: str, segments: Sequence[Segment]) -> int:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        dfd = self._open_direct(path, os.O_WRONLY) if self.o_direct else None
+        fd = open_data_file(path, write=True, mode=self.file_mode)
+        dfd = None
         try:
+            dfd = self._open_direct(fd, path) if self.o_direct else None
             if dfd is not None and segments:
                 _preallocate(fd, path, max(seg.file_offset + seg.nbytes for seg in segments))
             views = _host_views_end_to_end(segments) if dfd is None else None
@@ -168,18 +166,37 @@ class PosixEngine(IoEngine):
             if dfd is not None:
                 os.close(dfd)
 
-    def _open_direct(self, path: str, flags: int) -> Optional[int]:
-        """An O_DIRECT descriptor, or None where the file system refuses O_DIRECT (tmpfs, some
-        network file systems): then this engine turns direct I/O off for good and says so once."""
+    def _open_direct(self, fd: int, path: str) -> Optional[int]:
+        """A second, O_DIRECT descriptor of the regular file open at ``fd`` (reopened through
+        ``/proc/self/fd``, so it is that very file), or None where the file system refuses
+        O_DIRECT (see ``_direct_refused``)."""
         try:
-            return os.open(path, flags | os.O_DIRECT)
+            return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            if self.o_direct:
-                log.warning("gdskv: %s does not support O_DIRECT; the POSIX engine uses buffered I/O", os.path.dirname(path))
-            self.o_direct = self.direct_reads = False
+            self._direct_refused(path)
             return None
+
+    def _set_direct(self, fd: int, path: str) -> bool:
+        """Switch the regular file open at ``fd`` to O_DIRECT; False where refused."""
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, os.O_DIRECT)
+            return True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self._direct_refused(path)
+            return False
+
+    def _direct_refused(self, path: str) -> None:
+        """The file system of a regular file refused O_DIRECT (tmpfs, some network file
+        systems): this engine turns direct I/O off for good and says so once. Only ever asked
+        of a file already checked to be regular, so a directory or a device at a chunk path
+        cannot switch it off."""
+        if self.o_direct:
+            log.warning("gdskv: %s does not support O_DIRECT; the POSIX engine uses buffered I/O", os.path.dirname(path))
+        self.o_direct = self.direct_reads = False
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
