@@ -4,14 +4,20 @@ Where it comes from, in order: the defaults below; the TOML file named by ``GDSK
 ``path`` argument); ``GDSKV_STORE`` for the store path; keyword overrides. Loaded once at bring-up
 by every connector, the CLI and the demo. Unknown keys and bad values raise ``ConfigError``
 naming the key, so a typo fails at start-up rather than silently using a default.
+
+The TOML holds the settings in a ``[gdskv]`` table, or (a file for gdskv alone) at its top level;
+with a ``[gdskv]`` table nothing else may stand at the top level (it would be silently ignored).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +25,8 @@ ENV_CONFIG = "GDSKV_CONFIG"
 ENV_STORE = "GDSKV_STORE"
 ENGINES = ("auto", "posix", "kvikio")
 O_DIRECT_MODES = ("off", "writes", "all")
+MIN_AUTH_KEY_BYTES = 16
+DEFAULT_FILE_MODE = 0o600
 
 
 class ConfigError(ValueError):
@@ -35,15 +43,61 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 
 
 
 def parse_size(text: str | int) -> int:
-    """``"500G"`` → bytes (binary units: K = 1024). Integers pass through."""
-    if isinstance(text, int) and not isinstance(text, bool):
+    """``"500G"`` → bytes (binary units: K = 1024). Integers pass through; a float or a decimal
+    string must come to a whole number of bytes (``"1.5K"`` is 1536, ``1.5`` is refused)."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a size: {text!r} (expected e.g. 4096, 512M, 500G)")
+    if isinstance(text, int):
         if text < 0:
             raise ValueError(f"size must not be negative: {text}")
         return text
-    m = _SIZE_RE.match(str(text))
+    if isinstance(text, float):
+        if not math.isfinite(text) or not text.is_integer() or text < 0:
+            raise ValueError(f"not a whole, non-negative number of bytes: {text!r}")
+        return int(text)
+    m = _SIZE_RE.match(text) if isinstance(text, str) else None
     if not m:
         raise ValueError(f"not a size: {text!r} (expected e.g. 4096, 512M, 500G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    value = Decimal(m.group(1)) * _UNITS[m.group(2).upper()]
+    if value != value.to_integral_value():
+        raise ValueError(f"not a whole number of bytes: {text!r}")
+    return int(value)
+
+
+_OCTAL_RE = re.compile(r"^(?:0o)?([0-7]{1,4})$", re.IGNORECASE)
+
+
+def parse_file_mode(value: int | str) -> int:
+    """``file_mode``: an int (``0o640`` in TOML) or an octal string (``"0640"``, ``"640"``,
+    ``"0o640"``). Only read/write permission bits, and the owner must be able to read and write."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"must be an octal mode like \"0600\" or 0o600, got {value!r}")
+    if isinstance(value, str):
+        m = _OCTAL_RE.match(value.strip())
+        if not m:
+            raise ValueError(f"must be an octal mode like \"0600\" or 0o600, got {value!r}")
+        mode = int(m.group(1), 8)
+    else:
+        mode = value
+    if mode < 0 or mode & ~0o666:
+        raise ValueError(f"may hold only read and write bits (no execute, setuid, setgid or sticky bits), got {mode:#o}"
+                         + (" (a decimal TOML integer? write 0o640 or \"0640\")" if isinstance(value, int) else ""))
+    if mode & 0o600 != 0o600:
+        raise ValueError(f"must give the owner read and write (0o600), got {mode:#o}")
+    return mode
+
+
+def _decode_key(data: bytes) -> bytes:
+    """A secret key as configured: surrounding whitespace stripped; a value made only of hex
+    digits (an even number of them) is decoded from hex; anything else is the raw bytes."""
+    text = data.strip()
+    if text and len(text) % 2 == 0 and re.fullmatch(rb"[0-9a-fA-F]+", text):
+        return bytes.fromhex(text.decode("ascii"))
+    return text
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
 
 
 @dataclass
@@ -62,6 +116,9 @@ class GdsKvConfig:
     min_free_percent: Optional[float] = None
     model_id: Optional[str] = None
     stats_flush_seconds: float = 5.0
+    file_mode: int = DEFAULT_FILE_MODE
+    auth_key_file: Optional[str] = None
+    auth_key_env: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,8 +154,71 @@ class GdsKvConfig:
         p = self.min_free_percent
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 100):
             raise bad("min_free_percent", f"must be a number in [0, 100), got {p!r}")
-        if not isinstance(self.stats_flush_seconds, (int, float)) or self.stats_flush_seconds <= 0:
-            raise bad("stats_flush_seconds", "must be a positive number")
+        f = self.stats_flush_seconds
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise bad("stats_flush_seconds", f"must be a positive number of seconds, got {f!r}")
+        if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id):
+            raise bad("model_id", f"must be a non-empty string, got {self.model_id!r}")
+        try:
+            self.file_mode = parse_file_mode(self.file_mode)
+        except ValueError as e:
+            raise bad("file_mode", str(e)) from None
+        for key in ("auth_key_file", "auth_key_env"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise bad(key, f"must be a non-empty string, got {v!r}")
+        if self.auth_key_file is not None and self.auth_key_env is not None:
+            raise ConfigError("gdskv config: auth_key_file and auth_key_env are both set; set at most one")
+
+    @property
+    def dir_mode(self) -> int:
+        """The mode of directories gdskv creates: ``file_mode`` plus search (x) wherever it
+        grants read (0o600 → 0o700, 0o640 → 0o750)."""
+        return self.file_mode | ((self.file_mode & 0o444) >> 2)
+
+    def auth_key(self) -> Optional[bytes]:
+        """The secret chunk-authentication key, or None when neither ``auth_key_file`` nor
+        ``auth_key_env`` is set. Called once at bring-up; raises ``ConfigError`` naming the
+        setting when the key is missing, unreadable, shorter than 16 bytes, or (a file) lies
+        inside the store (the key must never be stored with the chunks it authenticates)."""
+        if self.auth_key_file is not None:
+            setting = "auth_key_file"
+            key = self._read_key_file()
+        elif self.auth_key_env is not None:
+            setting = "auth_key_env"
+            raw = os.environb.get(os.fsencode(self.auth_key_env))
+            if not raw:
+                raise ConfigError(f"gdskv config: auth_key_env: environment variable {self.auth_key_env} is not set or empty")
+            key = _decode_key(raw)
+        else:
+            return None
+        if len(key) < MIN_AUTH_KEY_BYTES:
+            raise ConfigError(f"gdskv config: {setting}: the key is {len(key)} bytes; it must be at least "
+                              f"{MIN_AUTH_KEY_BYTES} (e.g. 64 hex digits from `openssl rand -hex 32`)")
+        return key
+
+    def _read_key_file(self) -> bytes:
+        def bad(why: str) -> ConfigError:
+            return ConfigError(f"gdskv config: auth_key_file {self.auth_key_file}: {why}")
+
+        given = Path(os.path.abspath(os.path.expanduser(self.auth_key_file)))
+        store = Path(os.path.abspath(os.path.expanduser(self.store_path)))
+        try:
+            real = given.resolve(strict=True)
+        except FileNotFoundError:
+            raise bad("does not exist") from None
+        except (OSError, RuntimeError) as e:
+            raise bad(f"cannot be resolved ({e})") from None
+        if any(_inside(p, root) for p in (given, real) for root in (store, store.resolve())):
+            raise bad(f"lies inside the store ({self.store_path}); keep the key outside it")
+        try:
+            st = os.stat(real)
+            if not stat.S_ISREG(st.st_mode):
+                raise bad("is not a regular file")
+            with open(real, "rb") as f:
+                return _decode_key(f.read(1 << 16))
+        except OSError as e:
+            raise bad(f"cannot be read ({e.strerror or e})") from None
 
 
 _FIELDS = {f.name for f in dataclasses.fields(GdsKvConfig)}
@@ -111,12 +231,25 @@ def load_config(path: Optional[str] = None, **overrides: Any) -> GdsKvConfig:
     if path:
         p = Path(path)
         try:
-            data = tomllib.loads(p.read_text())
+            text = p.read_bytes().decode("utf-8")
+            data = tomllib.loads(text)
         except FileNotFoundError:
             raise ConfigError(f"gdskv config: file {path} (from {ENV_CONFIG}) does not exist") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"gdskv config: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"gdskv config: {path} cannot be read ({e.strerror or e})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"gdskv config: {path} is not valid TOML: {e}") from None
-        data = data.get("gdskv", data)
+        if "gdskv" in data:
+            section = data["gdskv"]
+            if not isinstance(section, dict):
+                raise ConfigError(f"gdskv config: gdskv in {path} must be a table ([gdskv]), got {type(section).__name__} {section!r}")
+            for key in data:
+                if key != "gdskv":
+                    raise ConfigError(f"gdskv config: {key!r} stands at the top level of {path}, outside the [gdskv] "
+                                      f"table, and would be ignored; move it under [gdskv]")
+            data = section
         for key, value in data.items():
             if key not in _FIELDS:
                 raise ConfigError(f"gdskv config: unknown setting {key!r} in {path} (known: {', '.join(sorted(_FIELDS))})")
@@ -128,6 +261,6 @@ def load_config(path: Optional[str] = None, **overrides: Any) -> GdsKvConfig:
             raise ConfigError(f"gdskv config: unknown setting {key!r}")
         if value is not None:
             values[key] = value
-    if "store_path" in values:
-        values["store_path"] = os.path.expanduser(str(values["store_path"]))
+    if isinstance(values.get("store_path"), str):
+        values["store_path"] = os.path.expanduser(values["store_path"])
     return GdsKvConfig(**values)

@@ -2,23 +2,35 @@
 
 A chunk file is ``payload || trailer``. The payload is the page's bytes (its regions
 concatenated in region order) and starts at offset 0, so it can be read straight into page
-memory with aligned offsets. The 128-byte little-endian trailer is:
+memory with aligned offsets. The trailer is 128 bytes, little-endian. Writers write trailer
+version 2; readers accept versions 1 and 2 (``unpack``).
+
+Trailer version 2 (written since the two-residue device checksum):
 
 ====== ==== ===============================================================
 offset size field
 ====== ==== ===============================================================
 0      8    magic ``b"GDSKVPG1"``
-8      2    format version (``FORMAT_VERSION``)
-10     2    flags: bit 0 has-parent; bits 1..3 payload checksum algorithm; bits 8..15 block key length (8 or 32)
+8      2    trailer version (2)
+10     2    flags: bit 0 has-parent; bits 1..3 payload checksum algorithm (``CHECKSUM_*``);
+            bit 4 authenticated (the store key field holds a MAC); bits 5..7 zero;
+            bits 8..15 block key length (8 or 32)
 12     4    layer group id
-16     8    payload length in bytes
-24     4    checksum of the payload (CRC32C, or for pages saved from device memory the
-            position-weighted sum of ``weighted_checksum``)
-28     4    CRC32C of the trailer with this field zeroed
-32     32   store key (namespace + group + block key, ``gdskv.keys.store_key``)
+16     4    payload length in bytes (pages are < 4 GiB)
+20     4    CRC32C of the trailer with this field zeroed
+24     8    payload checksum (CRC32C zero-extended, or ``CHECKSUM_POLY``'s 64-bit value)
+32     32   store key (``gdskv.keys.store_key``), or the 32-byte MAC when authenticated
 64     32   block key, zero-padded to 32 bytes
 96     32   parent block key, zero-padded (all zero when there is none)
 ====== ==== ===============================================================
+
+Trailer version 1 (read only): offsets 0..15 as above but with a u64 payload length at 16, a
+u32 payload checksum at 24 (CRC32C, or the legacy ``CHECKSUM_WEIGHTED`` sum) and the u32 trailer
+CRC32C at 28; no authenticated flag. The store/namespace ``FORMAT_VERSION`` (part of every
+namespace id and of the store root's attribute) is unchanged by the trailer version.
+
+The payload checksums, the MAC and the functions that write and check a chunk's trailer
+(``seal`` / ``check``) are in ``gdskv.checksum``; this module only packs and parses.
 
 A chunk's *index* in its Zarr array comes from the store key's leading 62 bits: ``hi`` (12 bits)
 and ``lo`` (50 bits); the chunk of array coordinates ``(hi, :, lo)`` is the file
@@ -36,15 +48,32 @@ import google_crc32c
 
 MAGIC = b"GDSKVPG1"
 FORMAT_VERSION = 1
+"""The store's format version (namespace ids, the store root's attribute). Not the trailer's."""
+TRAILER_VERSION = 2
+"""The trailer version writers write."""
+TRAILER_VERSIONS = (1, 2)
+"""The trailer versions readers accept."""
 TRAILER_BYTES = 128
 HI_BITS = 12
 LO_BITS = 50
-_HEAD = struct.Struct("<8sHHIQII")  # 32 bytes
+_HEAD_V1 = struct.Struct("<8sHHIQII")  # 32 bytes: magic, version, flags, group, length u64, payload crc u32, own crc
+_HEAD_V2 = struct.Struct("<8sHHIIIQ")  # 32 bytes: magic, version, flags, group, length u32, own crc, payload checksum u64
+_PEEK = struct.Struct("<8sH")
 FLAG_HAS_PARENT = 1
+FLAG_AUTHENTICATED = 1 << 4
+_FLAGS_RESERVED = 0b1110_0000
 CHECKSUM_CRC32C = 0
+"""CRC32C (Castagnoli) of the payload; in a v2 trailer zero-extended to 64 bits."""
 CHECKSUM_WEIGHTED = 1
-"""Computed where the page is (on the GPU for device pages), so no page crosses to the host to be checksummed."""
+"""Legacy (v1 only, never written now): a position-weighted byte sum mod 65521 folded to 32 bits.
+It misses e.g. a (+1, -2, +1) change of three consecutive bytes, so readers treat chunks that
+carry it as unverifiable ("weak-checksum")."""
+CHECKSUM_POLY = 2
+"""Two polynomial hashes of the payload's bytes mod 2**31 - 1 (``gdskv.checksum.poly_hash``),
+computed with torch on the page's own device: no page crosses to the host to be checksummed."""
 _ALGO_SHIFT, _ALGO_MASK = 1, 0b111
+_ALGOS = {1: (CHECKSUM_CRC32C, CHECKSUM_WEIGHTED), 2: (CHECKSUM_CRC32C, CHECKSUM_POLY)}
+MAX_PAYLOAD_V2 = (1 << 32) - 1
 WEIGHT_MODULUS = 65521
 TMP_MARK = ".tmp."
 
@@ -55,13 +84,30 @@ class ChunkFormatError(ValueError):
 
 @dataclass(frozen=True)
 class Trailer:
+    """A parsed trailer. ``payload_crc`` is the payload checksum under ``checksum_algo`` (32 bits
+    in v1, up to 64 in v2). An authenticated trailer (``mac`` set) stores the MAC where the store
+    key was, so ``store_key`` is None after ``unpack``: every reader recomputes the store key
+    from its namespace, the group and the block key, and the MAC covers it."""
+
     layer_group: int
     payload_nbytes: int
     payload_crc: int
-    store_key: bytes
+    store_key: Optional[bytes]
     block_key: bytes
     parent_key: Optional[bytes] = None
     checksum_algo: int = CHECKSUM_CRC32C
+    mac: Optional[bytes] = None
+    version: int = TRAILER_VERSION
+
+    @property
+    def authenticated(self) -> bool:
+        return self.mac is not None
+
+    @property
+    def flags(self) -> int:
+        """The flags field this trailer is packed with."""
+        return ((len(self.block_key) << 8) | (FLAG_HAS_PARENT if self.parent_key is not None else 0)
+                | (self.checksum_algo << _ALGO_SHIFT) | (FLAG_AUTHENTICATED if self.mac is not None else 0))
 
 
 def _load_libcrc32c() -> Optional[ctypes.CDLL]:
@@ -99,29 +145,67 @@ def crc32c(data, value: int = 0) -> int:
     return _LIB.crc32c_extend(value, ctypes.addressof(buf), view.nbytes)
 
 
+def _fixed(name: str, value: Optional[bytes], size: int) -> bytes:
+    if not isinstance(value, (bytes, bytearray)) or len(value) != size:
+        raise ValueError(f"trailer: {name} must be {size} bytes")
+    return bytes(value)
+
+
 def pack(t: Trailer) -> bytes:
+    """The 128-byte trailer of ``t`` (version ``t.version``; writers leave the default, 2; version
+    1 exists so tests can make legacy chunks). Raises ``ValueError`` for a trailer that cannot be
+    written: a block key that is not 8 or 32 bytes, a parent of another length, a payload of
+    4 GiB or more, a checksum that does not fit, an algorithm the version does not carry."""
     key_len = len(t.block_key)
-    flags = (key_len << 8) | (FLAG_HAS_PARENT if t.parent_key is not None else 0) | (t.checksum_algo << _ALGO_SHIFT)
-    body = (
-        t.store_key
-        + t.block_key.ljust(32, b"\0")
-        + (t.parent_key or b"").ljust(32, b"\0")
-    )
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, flags, t.layer_group, t.payload_nbytes, t.payload_crc, 0)
+    if key_len not in (8, 32):
+        raise ValueError(f"trailer: block key must be 8 or 32 bytes, got {key_len}")
+    if t.parent_key is not None and len(t.parent_key) != key_len:
+        raise ValueError(f"trailer: parent key is {len(t.parent_key)} bytes, block key {key_len}")
+    if t.version not in _ALGOS:
+        raise ValueError(f"trailer: cannot write trailer version {t.version}")
+    if t.checksum_algo not in _ALGOS[t.version]:
+        raise ValueError(f"trailer: version {t.version} does not carry payload checksum algorithm {t.checksum_algo}")
+    if not 0 <= t.layer_group < 1 << 32:
+        raise ValueError(f"trailer: layer group {t.layer_group} out of range")
+    key_field = _fixed("MAC", t.mac, 32) if t.mac is not None else _fixed("store key", t.store_key, 32)
+    body = key_field + bytes(t.block_key).ljust(32, b"\0") + bytes(t.parent_key or b"").ljust(32, b"\0")
+    if t.version == 1:
+        if t.mac is not None:
+            raise ValueError("trailer: version 1 has no authenticated chunks")
+        if not 0 <= t.payload_crc < 1 << 32 or not 0 <= t.payload_nbytes < 1 << 64:
+            raise ValueError("trailer: checksum or length out of range for version 1")
+        head = _HEAD_V1.pack(MAGIC, 1, t.flags, t.layer_group, t.payload_nbytes, t.payload_crc, 0)
+        own = google_crc32c.value(head + body)
+        return _HEAD_V1.pack(MAGIC, 1, t.flags, t.layer_group, t.payload_nbytes, t.payload_crc, own) + body
+    if not 0 <= t.payload_nbytes <= MAX_PAYLOAD_V2:
+        raise ValueError(f"trailer: a page of {t.payload_nbytes} bytes is too large (pages must be < 4 GiB)")
+    if not 0 <= t.payload_crc < 1 << 64:
+        raise ValueError("trailer: payload checksum does not fit 64 bits")
+    head = _HEAD_V2.pack(MAGIC, 2, t.flags, t.layer_group, t.payload_nbytes, 0, t.payload_crc)
     own = google_crc32c.value(head + body)
-    return _HEAD.pack(MAGIC, FORMAT_VERSION, flags, t.layer_group, t.payload_nbytes, t.payload_crc, own) + body
+    return _HEAD_V2.pack(MAGIC, 2, t.flags, t.layer_group, t.payload_nbytes, own, t.payload_crc) + body
 
 
-def unpack(raw: bytes) -> Trailer:
-    """Parse and self-check a trailer; raises ``ChunkFormatError`` saying what is wrong."""
+def unpack(raw) -> Trailer:
+    """Parse and self-check a trailer (version 1 or 2); raises ``ChunkFormatError`` saying what is
+    wrong, and no other exception, whatever the 128 bytes are."""
+    try:
+        raw = bytes(raw)
+    except Exception:
+        raise ChunkFormatError("trailer is not bytes") from None
     if len(raw) != TRAILER_BYTES:
         raise ChunkFormatError(f"trailer is {len(raw)} bytes, expected {TRAILER_BYTES}")
-    magic, version, flags, group, nbytes, pcrc, own = _HEAD.unpack_from(raw)
+    magic, version = _PEEK.unpack_from(raw)
     if magic != MAGIC:
         raise ChunkFormatError("bad magic (not a gdskv chunk, or torn)")
-    if version != FORMAT_VERSION:
-        raise ChunkFormatError(f"format version {version}, this gdskv reads {FORMAT_VERSION}")
-    zeroed = _HEAD.pack(magic, version, flags, group, nbytes, pcrc, 0) + raw[_HEAD.size:]
+    if version == 1:
+        _, _, flags, group, nbytes, pcrc, own = _HEAD_V1.unpack_from(raw)
+        zeroed = raw[:28] + bytes(4) + raw[32:]
+    elif version == 2:
+        _, _, flags, group, nbytes, own, pcrc = _HEAD_V2.unpack_from(raw)
+        zeroed = raw[:20] + bytes(4) + raw[24:]
+    else:
+        raise ChunkFormatError(f"trailer version {version}, this gdskv reads {', '.join(map(str, TRAILER_VERSIONS))}")
     if google_crc32c.value(zeroed) != own:
         raise ChunkFormatError("trailer checksum mismatch")
     key_len = flags >> 8
@@ -129,28 +213,40 @@ def unpack(raw: bytes) -> Trailer:
         raise ChunkFormatError(f"bad block key length {key_len}")
     parent_len = key_len if flags & FLAG_HAS_PARENT else 0
     algo = (flags >> _ALGO_SHIFT) & _ALGO_MASK
-    if algo not in (CHECKSUM_CRC32C, CHECKSUM_WEIGHTED):
-        raise ChunkFormatError(f"unknown payload checksum algorithm {algo}")
+    if algo not in _ALGOS[version]:
+        raise ChunkFormatError(f"unknown payload checksum algorithm {algo} in a version {version} trailer")
+    authenticated = False
+    if version == 2:
+        if flags & _FLAGS_RESERVED:
+            raise ChunkFormatError(f"reserved flag bits set ({flags:#06x})")
+        authenticated = bool(flags & FLAG_AUTHENTICATED)
+        if any(raw[64 + key_len:96]) or any(raw[96 + parent_len:128]):
+            raise ChunkFormatError("key padding is not zero")
+    elif flags & ~(0xFF00 | FLAG_HAS_PARENT | (_ALGO_MASK << _ALGO_SHIFT)):
+        raise ChunkFormatError(f"unknown flag bits in a version 1 trailer ({flags:#06x})")
     return Trailer(
         layer_group=group,
         payload_nbytes=nbytes,
         payload_crc=pcrc,
-        store_key=raw[32:64],
+        store_key=None if authenticated else raw[32:64],
         block_key=raw[64:64 + key_len],
         parent_key=raw[96:96 + parent_len] if parent_len else None,
         checksum_algo=algo,
+        mac=raw[32:64] if authenticated else None,
+        version=version,
     )
 
 
 def fold_weighted(byte_sum: int, weighted_sum: int, nbytes: int) -> int:
-    """The 32-bit ``CHECKSUM_WEIGHTED`` value from its two sums (see ``weighted_checksum``)."""
+    """The 32-bit legacy ``CHECKSUM_WEIGHTED`` value from its two sums (see ``weighted_checksum``).
+    Nothing writes it any more; kept only until every caller has moved to ``gdskv.checksum``."""
     return (byte_sum * 0x9E3779B1 + weighted_sum * 0x85EBCA77 + nbytes) & 0xFFFFFFFF
 
 
 def weighted_checksum(data) -> int:
     """``CHECKSUM_WEIGHTED`` of host bytes: ``a = Σ x_i``, ``b = Σ (i mod 65521 + 1)·x_i`` over the
-    payload's bytes, folded to 32 bits. ``gdskv.transfer`` computes the same with torch on the
-    page's own device; this is the host form (verify, tests)."""
+    payload's bytes, folded to 32 bits. Legacy: readers treat chunks carrying it as unverifiable
+    (``gdskv.checksum.check`` says "weak-checksum"), so nothing needs to compute it any more."""
     import numpy as np
 
     x = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
@@ -165,8 +261,16 @@ def weighted_checksum(data) -> int:
 
 
 def payload_checksum(algo: int, data) -> int:
-    """The payload checksum of host bytes under the trailer's algorithm."""
-    return crc32c(data) if algo == CHECKSUM_CRC32C else weighted_checksum(data)
+    """The payload checksum of host bytes (any buffer) under a trailer's algorithm."""
+    if algo == CHECKSUM_CRC32C:
+        return crc32c(data)
+    if algo == CHECKSUM_POLY:
+        from gdskv.checksum import poly_hash_host
+
+        return poly_hash_host(data)
+    if algo == CHECKSUM_WEIGHTED:
+        return weighted_checksum(data)
+    raise ValueError(f"unknown payload checksum algorithm {algo}")
 
 
 def chunk_index(store_key: bytes) -> tuple[int, int]:
