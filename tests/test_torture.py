@@ -20,14 +20,17 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "torture.py"
 
 
-def _scenarios() -> list[str]:
-    spec = importlib.util.spec_from_file_location("gdskv_torture", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return list(mod.SCENARIOS)
+def _harness():
+    """scripts/torture.py as a module (registered first: its dataclasses need that)."""
+    if "gdskv_torture" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gdskv_torture", SCRIPT)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["gdskv_torture"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["gdskv_torture"]
 
 
-SCENARIOS = _scenarios()
+SCENARIOS = list(_harness().SCENARIOS)
 COUNTS = ("wrong_loads", "exceptions", "lost", "outside", "hangs", "other")
 
 
@@ -61,9 +64,7 @@ def test_scenario_counts_nothing(fast_run: dict, scenario: str) -> None:
 
 def test_table_columns_and_failure_flag() -> None:
     """The table prints every column, and any count marks the row failed (exit status 1)."""
-    spec = importlib.util.spec_from_file_location("gdskv_torture_fmt", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _harness()
     ok, bad = mod.Row("a"), mod.Row("b", trials=3)
     bad.add("wrong", "x")
     text = mod.format_table([ok, bad])
