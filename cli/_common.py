@@ -43,6 +43,15 @@ def open_existing(ctx: click.Context) -> tuple[GdsKvConfig, PageStore]:
         raise UsageProblem(f"{why}; refusing to touch it. Pass --store PATH or set GDSKV_STORE.") from None
 
 
+def auth_key_of(cfg: GdsKvConfig) -> Optional[bytes]:
+    """The config's chunk key (``auth_key_file`` / ``auth_key_env``), or a usage error naming the
+    setting."""
+    try:
+        return cfg.auth_key()
+    except ConfigError as e:
+        raise UsageProblem(str(e)) from None
+
+
 def select_namespaces(store: PageStore, wanted: Optional[str]) -> list[Namespace]:
     """All namespaces, or those whose id starts with ``wanted`` or whose model is ``wanted``."""
     every = store.namespaces()

@@ -4,7 +4,9 @@ The checks are the ones a load makes (``PageTransfer._verify``), plus that the c
 store key says: the trailer parses and checks itself; its layer group is the array's; the store
 key recomputed from the namespace id, the group and the trailer's block key equals the trailer's
 and names this file's path; the payload is as long as the trailer says and the namespace's page;
-its CRC32C matches. ``--repair`` moves bad chunks to the quarantine (``Namespace.quarantine``);
+its checksum matches (and its MAC, where the config has a chunk key: ``gdskv.checksum.check_host``).
+Entries where a chunk belongs that are not regular files, and chunks of damaged namespaces, are
+reported too. ``--repair`` moves bad chunks to the quarantine (``Namespace.quarantine``);
 a chunk removed meanwhile (evicted by another process) is counted as gone, not as bad.
 """
 from __future__ import annotations
@@ -20,13 +22,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from gdskv import checksum
 from gdskv import format as fmt
-from gdskv.cli._common import open_existing, print_json, select_namespaces
+from gdskv.cli._common import auth_key_of, open_existing, print_json, select_namespaces
 from gdskv.confined import NotRegularFileError, OutsideStoreError
 from gdskv.store import ArrayDir, ChunkEntry, Namespace
 
 
-def check_chunk(ns: Namespace, group: int, path: str) -> Optional[str]:
+def check_chunk(ns: Namespace, group: int, path: str, auth_key: Optional[bytes] = None) -> Optional[str]:
     """None when the chunk file at ``path`` is sound; otherwise why not (a quarantine reason),
     or ``"gone"`` when it no longer exists. Opened through ``store.fs``: a link or a FIFO at the
     path is reported, never followed or waited on."""
@@ -47,22 +50,19 @@ def check_chunk(ns: Namespace, group: int, path: str) -> Optional[str]:
     except OSError:
         return "unreadable"
     view = memoryview(buf)
-    payload = view[: size - fmt.TRAILER_BYTES]
-    try:
-        t = fmt.unpack(bytes(view[size - fmt.TRAILER_BYTES:]))
+    trailer = bytes(view[size - fmt.TRAILER_BYTES:])
+    try:  # the block key the chunk claims, so the check can tell a chunk in the wrong place
+        claimed = fmt.unpack(trailer).block_key
     except fmt.ChunkFormatError:
         return "bad-trailer"
-    # ``unpack`` checked the block key's length, so the store key can be computed
-    if t.layer_group != group or t.store_key != ns.store_key(group, t.block_key) or ns.chunk_path(group, t.block_key) != path:
+    if ns.chunk_path(group, claimed) != path:
         return "foreign-key"
-    if t.payload_nbytes != payload.nbytes or t.payload_nbytes != ns.spec.group(group).bytes_per_page:
-        return "bad-size"
-    if fmt.payload_checksum(t.checksum_algo, payload) != t.payload_crc:
-        return "bad-checksum"
-    return None
+    return checksum.check_host(trailer, view[: size - fmt.TRAILER_BYTES], group=group,
+                               store_key=ns.store_key(group, claimed), block_key=claimed,
+                               nbytes=ns.spec.group(group).bytes_per_page, auth_key=auth_key)
 
 
-def check_entry(array: ArrayDir, entry: ChunkEntry) -> Optional[str]:
+def check_entry(array: ArrayDir, entry: ChunkEntry, auth_key: Optional[bytes] = None) -> Optional[str]:
     """``check_chunk`` for one entry of the store walk; entries where a chunk belongs that are
     not chunk files, and chunks of a damaged namespace, are bad without being opened."""
     if entry.kind == "link":
@@ -71,7 +71,7 @@ def check_entry(array: ArrayDir, entry: ChunkEntry) -> Optional[str]:
         return "not-a-file"
     if array.namespace is None:
         return "damaged-namespace"
-    return check_chunk(array.namespace, array.group, entry.path)
+    return check_chunk(array.namespace, array.group, entry.path, auth_key)
 
 
 @click.command()
@@ -82,7 +82,8 @@ def check_entry(array: ArrayDir, entry: ChunkEntry) -> Optional[str]:
 @click.pass_context
 def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: int, as_json: bool) -> None:
     """Re-check every chunk's checksum and key; exit 1 when any is bad."""
-    _, store = open_existing(ctx)
+    cfg, store = open_existing(ctx)
+    auth_key = auth_key_of(cfg)
     chosen = None if namespace is None else select_namespaces(store, namespace)
     arrays = store.arrays([store.namespace(ns.spec) for ns in chosen] if chosen is not None else None)
     arrays = [a if a.namespace is None else replace(a, namespace=store.namespace(a.namespace.spec)) for a in arrays]
@@ -93,7 +94,7 @@ def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: 
     with Progress(TextColumn("verify"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console,
                   disable=as_json or not console.is_terminal) as progress, ThreadPoolExecutor(threads) as pool:
         task = progress.add_task("chunks", total=len(files))
-        checks = pool.map(lambda f: check_entry(*f), files)
+        checks = pool.map(lambda f: check_entry(*f, auth_key), files)
         for (array, entry), reason in zip(files, checks):
             progress.advance(task)
             counts[reason or "ok"] += 1

@@ -67,7 +67,7 @@ def run_store_phase(phase: str, store_path: str, n_prompts: int, blocks: int, pa
     install_budget(store, cfg)
     ns = store.namespace(NamespaceSpec("gdskv-demo/synthetic", "float16", TOKENS_PER_BLOCK, (GroupSpec(0, page_bytes, tuple(range(8))),)))
     engine = make_engine(cfg)
-    xfer = PageTransfer(ns, engine, threads=cfg.io_threads)
+    xfer = PageTransfer(ns, engine, threads=cfg.io_threads, auth_key=cfg.auth_key())
     parent_of: dict[bytes, bytes | None] = {}
     for prompt in demo_prompts(n_prompts, blocks):
         chain = chain_keys(prompt, TOKENS_PER_BLOCK)

@@ -244,10 +244,14 @@ class Namespace:
         now = time.time_ns()
         lease = int(lease_seconds * 1e9)
         out = []
+        fs = self.store.fs
         for i, key in enumerate(keys):
+            path = self.chunk_path(group, key)
             try:
-                self.store.fs.utime(self.chunk_path(group, key), ns=(now + lease + i, now + i))
-                out.append(True)
+                fs.utime(path, ns=(now + lease + i, now + i))
+                # an evictor may have renamed the chunk aside between the name's lookup and the
+                # times landing; it is ours only if it is still there under its name with them
+                out.append(not lease or fs.lstat(path).st_atime_ns >= now + lease)
             except OSError:
                 out.append(False)
         return out

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from gdskv import checksum
 from gdskv import format as fmt
 from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path
 from gdskv.io.base import IoEngine, Segment, ShortReadError
@@ -54,44 +55,17 @@ def page_segments(group_layout: Any, slot: int) -> list[torch.Tensor]:
     return [r.slot_tensor(slot).reshape(-1).view(torch.uint8) for r in group_layout.regions]
 
 
-def payload_checksum(segments: Sequence[torch.Tensor], algo: Optional[int] = None) -> tuple[int, int]:
-    """``(algorithm, value)`` of the concatenated segments, computed where they live.
-
-    Host pages get CRC32C (zero-copy, GIL released). Device pages get the position-weighted sum
-    of ``gdskv.format.weighted_checksum``, computed with torch on the device, so a GDS transfer
-    never stages a page through the host just to checksum it. ``algo`` forces one (loads verify
-    with the algorithm the chunk was saved with).
-    """
-    if algo is None:
-        algo = fmt.CHECKSUM_CRC32C if all(s.device.type == "cpu" for s in segments) else fmt.CHECKSUM_WEIGHTED
-    if algo == fmt.CHECKSUM_CRC32C:
-        crc = 0
-        for seg in segments:
-            host = (seg if seg.device.type == "cpu" else seg.to("cpu")).contiguous()
-            crc = fmt.crc32c_at(host.data_ptr(), host.numel() * host.element_size(), crc)
-        return algo, crc
-    a = b = off = 0
-    step = 1 << 22
-    for seg in segments:
-        flat = seg.reshape(-1).view(torch.uint8)
-        for start in range(0, flat.numel(), step):
-            part = flat[start:start + step].to(torch.int64)
-            pos = torch.arange(off, off + part.numel(), device=part.device, dtype=torch.int64) % fmt.WEIGHT_MODULUS + 1
-            a += int(part.sum())
-            b += int((part * pos).sum())
-            off += part.numel()
-    return algo, fmt.fold_weighted(a, b, off)
-
-
 class PageTransfer:
     """Asynchronous page saves and loads for one namespace over one I/O engine."""
 
     def __init__(self, namespace: Namespace, engine: IoEngine, threads: int = 8, stats_flush_seconds: float = 5.0,
-                 checksum: Optional[int] = None):
+                 checksum: Optional[int] = None, auth_key: Optional[bytes] = None):
         """``checksum``: the payload checksum algorithm for saves (``gdskv.format.CHECKSUM_*``);
-        None picks by where the page lives (see ``payload_checksum``)."""
+        None picks by where the page lives (``gdskv.checksum.seal``). ``auth_key``: the config's
+        chunk key (``GdsKvConfig.auth_key()``): saves carry a MAC, loads require one."""
         self.ns = namespace
         self._checksum = checksum
+        self._auth_key = auth_key
         self.engine = engine
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-xfer")
         self._flush_every = stats_flush_seconds
@@ -139,8 +113,8 @@ class PageTransfer:
             ns.counters.add("saves_dropped")
             ns.counters.add("saves_dropped_budget")
             return SaveStatus.DROPPED
-        algo, checksum = payload_checksum(segments, self._checksum)
-        trailer = fmt.pack(fmt.Trailer(group, nbytes, checksum, ns.store_key(group, key), key, parent, algo))
+        trailer = checksum.seal(segments, group=group, store_key=ns.store_key(group, key), block_key=key, parent_key=parent,
+                                algo=self._checksum, auth_key=self._auth_key)
         segs, off = [], 0
         for s in segments:
             segs.append(Segment(off, s))
@@ -283,17 +257,8 @@ class PageTransfer:
 
     def _verify(self, group: int, key: bytes, nbytes: int, raw: bytes, segments: list[torch.Tensor]) -> Optional[str]:
         """None when the chunk is exactly this key's page; otherwise the reason it is not."""
-        try:
-            t = fmt.unpack(raw)
-        except fmt.ChunkFormatError:
-            return "bad-trailer"
-        if t.store_key != self.ns.store_key(group, key) or t.block_key != key or t.layer_group != group:
-            return "foreign-key"
-        if t.payload_nbytes != nbytes:
-            return "bad-size"
-        if payload_checksum(segments, t.checksum_algo)[1] != t.payload_crc:
-            return "bad-checksum"
-        return None
+        return checksum.check(raw, segments, group=group, store_key=self.ns.store_key(group, key), block_key=key,
+                              nbytes=nbytes, auth_key=self._auth_key)
 
     # --- housekeeping -------------------------------------------------------------------------
     def _warn(self, kind: str, msg: str) -> None:

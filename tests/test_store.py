@@ -252,17 +252,19 @@ def test_a_disk_that_refuses_writes_drops_saves_without_raising(store_path):
 
 
 def test_device_checksum_chunks_round_trip_and_detect_damage(store_path):
-    """Pages saved from device memory carry the position-weighted checksum computed with torch on
-    the device; here it is forced on CPU pages, and the host form (gdskv verify) agrees."""
+    """Pages saved from device memory carry the two-residue polynomial checksum computed with torch
+    on the device; here it is forced on CPU pages, and the host form (gdskv verify) agrees."""
+    from gdskv import checksum
+
     ns = PageStore.open(store_path).namespace(spec())
     engine = PosixEngine()
-    x = PageTransfer(ns, engine, checksum=fmt.CHECKSUM_WEIGHTED)
+    x = PageTransfer(ns, engine, checksum=fmt.CHECKSUM_POLY)
     src = [rand_page(4096, 1), rand_page(1000, 2)]
     x.save_page(0, KEYS[0], None, src).result()
     raw = Path(ns.chunk_path(0, KEYS[0])).read_bytes()
     t = fmt.unpack(raw[-fmt.TRAILER_BYTES:])
-    assert t.checksum_algo == fmt.CHECKSUM_WEIGHTED
-    assert fmt.payload_checksum(t.checksum_algo, raw[:-fmt.TRAILER_BYTES]) == t.payload_crc
+    assert t.checksum_algo == fmt.CHECKSUM_POLY
+    assert checksum.poly_hash_host(raw[:-fmt.TRAILER_BYTES]) == t.payload_crc
     dst = [torch.zeros(4096, dtype=torch.uint8), torch.zeros(1000, dtype=torch.uint8)]
     plain = PageTransfer(ns, engine)  # a reader verifies with the algorithm the chunk names
     assert plain.load_page(0, KEYS[0], dst).result() is LoadStatus.LOADED

@@ -541,7 +541,8 @@ class GdsKvWorker(KvCacheConnectorWorker):
                 "gdskv: rank %d uses namespace %s; the store's other namespace(s) %s for model %r have another geometry "
                 "and are not served from", d.tp_rank, ns.id, ", ".join(others), spec.model,
             )
-        self._transfer = PageTransfer(ns, make_engine(self._cfg), threads=self._cfg.io_threads, stats_flush_seconds=self._cfg.stats_flush_seconds)
+        self._transfer = PageTransfer(ns, make_engine(self._cfg), threads=self._cfg.io_threads, stats_flush_seconds=self._cfg.stats_flush_seconds,
+                                      auth_key=self._cfg.auth_key())
         with _PEERS_LOCK:
             self._peers.specs[d.tp_rank] = spec
         log.info("gdskv: rank %d/%d registered %d layer group(s) as namespace %s (I/O: %s)",
