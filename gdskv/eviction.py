@@ -283,15 +283,17 @@ class Limits:
         return max(self.min_free_bytes or 0, pct)
 
 
-def shortfall(limits: Limits, used: int, fs_total: int, fs_free: int, incoming: int = 0) -> int:
+def shortfall(limits: Limits, used: int, fs_total: int, fs_free: int, incoming: int = 0, block: int = 1) -> int:
     """Bytes that must be freed before ``incoming`` more bytes can be stored within ``limits``
     (0 when they fit). ``used``: bytes of the store's chunks; ``fs_*``: the file system's size and
-    free space."""
+    free space; ``block``: its allocation unit — against the free-space floor a file takes whole
+    blocks (a 1 MiB + 128 B chunk takes 257 blocks of 4 KiB, not 1 MiB + 128 B)."""
     need = 0
     if limits.max_bytes is not None:
         need = used + incoming - limits.max_bytes
     if limits.has_floor:
-        need = max(need, limits.floor_bytes(fs_total) - (fs_free - incoming))
+        allocated = -(-incoming // block) * block
+        need = max(need, limits.floor_bytes(fs_total) - (fs_free - allocated))
     return max(need, 0)
 
 
@@ -637,6 +639,14 @@ def disk_usage(path: str) -> tuple[int, int]:
     return u.total, u.free
 
 
+def _allocation_unit(path: str) -> int:
+    """The file system's allocation unit (``f_frsize``): what a file's size is rounded up to."""
+    try:
+        return max(1, os.statvfs(path).f_frsize)
+    except OSError:
+        return 4096
+
+
 class Budget:
     """The capacity hook ``PageTransfer`` calls through ``store.budget``.
 
@@ -647,11 +657,13 @@ class Budget:
     eviction frees what the save needs plus ``headroom`` (a fraction of the budget, or of the
     floor when only a floor is set), so one scan serves many saves. A save that does not fit
     while another thread evicts waits at most ``max_wait_seconds`` for it, then is dropped.
-    ``disk_usage`` and ``clock`` are injectable for tests.
+    ``disk_usage``, ``clock`` and ``block_size`` (the allocation unit the floor counts in) are
+    injectable for tests.
     """
 
     def __init__(self, store: PageStore, limits: Limits, headroom: float = 0.05, rescan_seconds: float = 300.0,
-                 max_wait_seconds: float = 2.0, disk_usage: DiskUsage = disk_usage, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_wait_seconds: float = 2.0, disk_usage: DiskUsage = disk_usage, clock: Callable[[], float] = time.monotonic,
+                 block_size: Optional[int] = None) -> None:
         self.store = store
         self.limits = limits
         self.headroom = headroom
@@ -662,6 +674,8 @@ class Budget:
         self._used: Optional[int] = None  # chunk bytes on disk: last scan + published since
         self._inflight: deque[tuple[float, int]] = deque()  # (admitted at, bytes) not yet published
         self._inflight_bytes = 0
+        self._inflight_blocks = 0  # the same saves in the file system's allocation units
+        self._block = block_size or _allocation_unit(str(store.root))
         self._scanning = False
         self._published_while_scanning = 0
         self._scanned_at = float("-inf")
@@ -740,6 +754,7 @@ class Budget:
                 if n == nbytes:
                     del self._inflight[i]
                     self._inflight_bytes -= n
+                    self._inflight_blocks -= self._blocks(n)
                     break
             self._used = (self._used or 0) + nbytes
             if self._scanning:
@@ -784,7 +799,8 @@ class Budget:
     def _need(self, nbytes: int) -> int:
         total, free = self.disk_usage(str(self.store.root)) if self.limits.has_floor else (0, 0)
         # saves in flight count as written, against the budget and against free space
-        return shortfall(self.limits, (self._used or 0) + self._inflight_bytes, total, free - self._inflight_bytes, nbytes)
+        return shortfall(self.limits, (self._used or 0) + self._inflight_bytes, total,
+                         free - self._inflight_blocks * self._block, nbytes, self._block)
 
     def _try_reserve(self, nbytes: int) -> bool:
         """Count ``nbytes`` as in flight if they fit. A reservation ends at ``on_published``, or
@@ -792,12 +808,18 @@ class Budget:
         with self._state:
             now = self.clock()
             while self._inflight and now - self._inflight[0][0] > INFLIGHT_TTL_S:
-                self._inflight_bytes -= self._inflight.popleft()[1]
+                n = self._inflight.popleft()[1]
+                self._inflight_bytes -= n
+                self._inflight_blocks -= self._blocks(n)
             if self._need(nbytes) > 0:
                 return False
             self._inflight.append((now, nbytes))
             self._inflight_bytes += nbytes
+            self._inflight_blocks += self._blocks(nbytes)
             return True
+
+    def _blocks(self, nbytes: int) -> int:
+        return -(-nbytes // self._block)
 
 
 def install_budget(store: PageStore, cfg: GdsKvConfig) -> Optional[Budget]:

@@ -281,7 +281,7 @@ def test_free_space_floor(rig: _Rig) -> None:
     def fake_usage(path: str) -> tuple[int, int]:
         return capacity, capacity - rig.stored_bytes()
 
-    budget = Budget(rig.store, Limits(min_free_percent=50.0), headroom=0.0, disk_usage=fake_usage)
+    budget = Budget(rig.store, Limits(min_free_percent=50.0), headroom=0.0, disk_usage=fake_usage, block_size=1)  # a disk of bytes
     rig.store.budget = budget
     for p in range(6):
         rig.save_chain([1000 * p + t for t in range(6)])
@@ -396,3 +396,12 @@ def test_a_lookup_lease_keeps_chunks_until_their_load(rig: _Rig) -> None:
         os.utime(rig.ns.chunk_path(0, k), ns=(past, past))
     CliRunner().invoke(cli_main, ["--store", str(rig.store.root), "evict", "--max-bytes", "0", "--json"])
     assert rig.ns.contains_many(0, keys[:2]) == [False, False]
+
+
+def test_the_free_space_floor_counts_whole_file_system_blocks() -> None:
+    """Issue 9, defect 11: a chunk of 4097 bytes takes two 4 KiB blocks; counting 4097 bytes
+    against the floor undershot it by one block on ext4."""
+    limits = Limits(min_free_bytes=100_000)
+    assert shortfall(limits, used=0, fs_total=10**9, fs_free=100_000 + 4097, incoming=4097) == 0
+    assert shortfall(limits, used=0, fs_total=10**9, fs_free=100_000 + 4097, incoming=4097, block=4096) == 8192 - 4097
+    assert shortfall(limits, used=0, fs_total=10**9, fs_free=100_000 + 8192, incoming=4097, block=4096) == 0
