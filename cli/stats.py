@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gdskv.cli._common import human_bytes, open_existing, print_json
-from gdskv.store import PageStore
+from gdskv.store import PRIVATE_DIR, PageStore
 
 
 def summed(store: PageStore) -> dict[str, Any]:
@@ -23,17 +23,21 @@ def summed(store: PageStore) -> dict[str, Any]:
     per_ns: dict[str, Counter[str]] = {}
     processes = 0
     unreadable = []
-    d = store.private / "stats"
-    for f in sorted(d.glob("*.json")) if d.is_dir() else []:  # a temp file ends ``.json.tmp.<pid>``: not matched
+    rel = f"{PRIVATE_DIR}/stats"
+    # through store.fs: a link or a FIFO among the files is unreadable, never followed or waited on;
+    # a temp file ends ``.json.tmp.<pid>``: not taken
+    for e in sorted(store.fs.scandir(rel), key=lambda e: e.name):
+        if not e.name.endswith(".json"):
+            continue
         try:
-            data = json.loads(f.read_text())
-            namespaces = data["namespaces"]
-        except (OSError, ValueError, KeyError, TypeError):
-            unreadable.append(f.name)
+            data = json.loads(store.fs.read_small(f"{rel}/{e.name}"))
+            part = {ns_id: Counter({str(k): int(v) for k, v in counters.items()}) for ns_id, counters in data["namespaces"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            unreadable.append(e.name)
             continue
         processes += 1
-        for ns_id, counters in namespaces.items():
-            per_ns.setdefault(ns_id, Counter()).update({k: int(v) for k, v in counters.items()})
+        for ns_id, counters in part.items():
+            per_ns.setdefault(ns_id, Counter()).update(counters)
     return {"processes": processes, "unreadable": unreadable, "namespaces": {k: dict(sorted(v.items())) for k, v in sorted(per_ns.items())}}
 
 

@@ -2,8 +2,8 @@
 
 Installs ``max[serve]==26.7.0`` into its own virtualenv (``GDSKV_MAX_VENV``, default
 ``~/.cache/gdskv-test/venv-max``, kept between runs and reused when it already has what the
-test needs), together with gdskv's own dependencies (read from ``pyproject.toml``; gdskv itself
-comes from this checkout through ``PYTHONPATH``), builds a tiny random fp32
+test needs), together with gdskv's own dependencies (read from ``pyproject.toml``) and this
+checkout of gdskv (``pip install --no-deps -e``, redone when the checkout moved), builds a tiny random fp32
 Llama offline (``scripts/make_tiny_llama.py``), and runs ``max generate --devices cpu`` in
 separate processes on one store:
 
@@ -63,30 +63,40 @@ def _gdskv_requirements() -> list[str]:
     return [TORCH_REQUIREMENT] + [d for d in deps if not d.replace(" ", "").startswith("torch")]
 
 
-def _venv_ready() -> bool:
-    """Whether the virtualenv runs MAX and imports gdskv's MAX connector from this checkout."""
+def _probe(code: str) -> bool:
     py = _venv_python()
-    if not py.exists():
-        return False
-    probe = subprocess.run([str(py), "-c", "import max.pipelines, transformers, gdskv.connectors.max"],
-                           capture_output=True, env=_env({}), cwd=REPO)
-    return probe.returncode == 0
+    return py.exists() and subprocess.run([str(py), "-c", code], capture_output=True, env=_env({}), cwd="/").returncode == 0
+
+
+def _max_ready() -> bool:
+    """Whether the virtualenv runs MAX and has gdskv's dependencies."""
+    deps = "import torch, zarr, numcodecs, click, rich, google_crc32c"
+    return _probe(f"import max.pipelines, transformers; {deps}")
+
+
+def _gdskv_ready() -> bool:
+    """Whether the virtualenv's gdskv is this checkout (an editable install of it: the ``gdskv``
+    package and its ``gdskv.cli`` commands, which live in ``cli/``)."""
+    return _probe(f"import gdskv, gdskv.cli.main, gdskv.connectors.max; assert gdskv.__file__ == {str(REPO / 'gdskv' / '__init__.py')!r}")
 
 
 @pytest.fixture(scope="session")
 def max_python() -> Path:
-    """The MAX virtualenv's interpreter, with MAX and gdskv's dependencies installed; creates or
-    completes the virtualenv when needed. The virtualenv is self-contained (no
-    ``--system-site-packages``: from inside another virtualenv that would expose the base
-    interpreter's packages, not this one's)."""
-    if not _venv_ready():
+    """The MAX virtualenv's interpreter, with MAX, gdskv's dependencies and this checkout of gdskv
+    installed; creates or completes the virtualenv when needed (MAX is downloaded only once).
+    The virtualenv is self-contained (no ``--system-site-packages``: from inside another
+    virtualenv that would expose the base interpreter's packages, not this one's)."""
+    pip = [str(_venv_python()), "-m", "pip", "install", "-q"]
+    if not _max_ready():
         VENV.parent.mkdir(parents=True, exist_ok=True)
         if not _venv_python().exists():
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-        pip = [str(_venv_python()), "-m", "pip", "install", "-q"]
         subprocess.run(pip + ["--upgrade", "pip", "setuptools"], check=True)  # pip 23's resolver gives up on max[serve]
         subprocess.run(pip + [MAX_REQUIREMENT] + _gdskv_requirements(), check=True)
-        assert _venv_ready(), f"{VENV} still cannot import MAX and gdskv's connector after installing"
+        assert _max_ready(), f"{VENV} still cannot import MAX and gdskv's dependencies after installing them"
+    if not _gdskv_ready():
+        subprocess.run(pip + ["--no-deps", "-e", str(REPO)], check=True)
+        assert _gdskv_ready(), f"{VENV} does not import gdskv from {REPO} after installing it"
     return _venv_python()
 
 
@@ -99,8 +109,7 @@ def tiny_llama(max_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSKV_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSKV_") and k != "PYTHONPATH"}
     env["HF_HUB_OFFLINE"] = "1"
     env["MAX_SERVE_DISABLE_TELEMETRY"] = "1"
     env["MODULAR_CACHE_DIR"] = env.get("MODULAR_CACHE_DIR", str(VENV / "modular-cache"))
