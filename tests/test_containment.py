@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
-import signal
 import socket
 import stat
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -28,7 +25,7 @@ from gdskv.cli.main import main as cli_main
 from gdskv.garbage import collect, find_garbage
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
-from gdskv.store import GroupSpec, NamespaceSpec, PageStore, StoreError
+from gdskv.store import GroupSpec, NamespaceSpec, PageStore
 from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
 
 KEYS = chain_keys(list(range(16 * 16)), 16, "contain")
