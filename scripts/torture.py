@@ -1793,6 +1793,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     ap.add_argument("--real-cli", action="store_true", help="run every gdskv command as a fresh python process")
     a = ap.parse_args(argv)
+    if a.dir:
+        Path(a.dir).mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="gdskv-torture-", dir=a.dir))
     s = Settings.make(a.fast, base, a.seconds, a.real_cli)
     t0 = time.monotonic()
