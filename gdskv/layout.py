@@ -143,8 +143,16 @@ def _region_over(t: torch.Tensor, offset: int, size: int, buffers: Sequence[KvCa
         stride=row_bytes,
         num_slots=t.shape[0],
         buffers=tuple(buffers),
-        _storage=t.view(torch.uint8).reshape(-1),
+        _storage=_storage_bytes(t),
     )
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t`` as a flat ``uint8`` tensor starting at the storage's first
+    byte, so that ``as_strided`` offsets measured from it are absolute (``t`` itself may be a
+    view that starts anywhere in its storage: a per-layer pool carved from one allocation)."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def single_pool_layout(pool: torch.Tensor, tokens_per_block: int, kv_factor_roles: Sequence[str] = ("key", "value")) -> KvCacheLayout:

@@ -54,6 +54,20 @@ def test_writes_through_slot_tensor_land_in_the_pool():
     assert (pool[2].view(torch.uint8) == 0xFF).all() and (pool[[0, 1, 3]] == 0).all()
 
 
+def test_a_pool_that_is_a_view_into_a_larger_allocation_reads_and_writes_its_own_bytes():
+    """Issue 10, defect 1: engines carve per-layer pools out of one allocation. A pool starting 32
+    elements into its storage read elements 0-3 for slot 0 (a view-relative offset was passed
+    as ``as_strided``'s absolute one); slot writes landed in another pool's bytes."""
+    arena = torch.arange(32 + 4 * 1 * 2 * 2, dtype=torch.float32)
+    pool = arena[32:].view(4, 1, 2, 2)
+    r = single_pool_layout(pool, tokens_per_block=2).groups[0].regions[0]
+    assert torch.equal(r.slot_tensor(0, torch.float32), pool[0].reshape(-1))
+    assert torch.equal(r.slot_tensor(3, torch.float32), pool[3].reshape(-1))
+    r.slot_tensor(1).fill_(0)
+    assert torch.equal(arena[:32], torch.arange(32, dtype=torch.float32))  # the neighbour is untouched
+    assert (pool[1] == 0).all() and (pool[[0, 2, 3]] != 0).all()
+
+
 def test_vswa_groups_with_several_regions():
     full_k, full_v = torch.zeros(6, 2, 16), torch.zeros(6, 2, 16)
     swa = torch.zeros(3, 1, 2, 16)
