@@ -170,14 +170,22 @@ class PageTransfer:
         return "" if self.ns.store.fs.alive else " (the store directory was removed; restart to use a new one)"
 
     # --- loads --------------------------------------------------------------------------------
-    def load_page(self, group: int, key: bytes, segments: Sequence[torch.Tensor]) -> "Future[LoadStatus]":
+    def load_page(self, group: int, key: bytes, segments: Sequence[torch.Tensor],
+                  ready: Optional[Any] = None) -> "Future[LoadStatus]":
         """Read the chunk of ``key`` into the page's segments and verify it.
 
-        Unless the result is LOADED, the segments' contents are undefined and must not be used.
+        ``ready``: something with ``synchronize()`` (a CUDA event recorded on the engine's stream
+        when it handed the slot over) that the transfer thread waits on before any byte of the
+        slot is written, so kernels still using the slot's previous contents finish first. When
+        the future resolves, the bytes are in the slot (device copies included): the engine may
+        launch work that reads them. Unless the result is LOADED, the segments' contents are
+        undefined and must not be used.
         """
-        return self._pool.submit(self._load, group, key, list(segments))
+        return self._pool.submit(self._load, group, key, list(segments), ready)
 
-    def _load(self, group: int, key: bytes, segments: list[torch.Tensor]) -> LoadStatus:
+    def _load(self, group: int, key: bytes, segments: list[torch.Tensor], ready: Optional[Any] = None) -> LoadStatus:
+        if ready is not None:
+            ready.synchronize()
         ns = self.ns
         path = ns.chunk_path(group, key)
         nbytes = sum(s.numel() for s in segments)
