@@ -30,6 +30,7 @@ from gdskv import checksum
 from gdskv import format as fmt
 from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path
 from gdskv.io.base import IoEngine, Segment, ShortReadError
+from gdskv.io.posix import aligned_host_buffer
 from gdskv.store import Namespace
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,20 @@ class PageTransfer:
     """Asynchronous page saves and loads for one namespace over one I/O engine."""
 
     def __init__(self, namespace: Namespace, engine: IoEngine, threads: int = 8, stats_flush_seconds: float = 5.0,
-                 checksum: Optional[int] = None, auth_key: Optional[bytes] = None):
+                 checksum: Optional[int] = None, auth_key: Optional[bytes] = None, stage_host: Optional[bool] = None):
         """``checksum``: the payload checksum algorithm for saves (``gdskv.format.CHECKSUM_*``);
         None picks by where the page lives (``gdskv.checksum.seal``). ``auth_key``: the config's
-        chunk key (``GdsKvConfig.auth_key()``): saves carry a MAC, loads require one."""
+        chunk key (``GdsKvConfig.auth_key()``): saves carry a MAC, loads require one.
+        ``stage_host``: move pages through a host buffer of this transfer thread (None: exactly
+        when a page is in device memory and the engine has no GDS, so it would bounce the page
+        through host memory anyway). A staged page is checksummed on the host copy (CRC32C: no
+        device work, no device scratch memory), and a staged load reaches the page only once
+        verified."""
         self.ns = namespace
         self._checksum = checksum
         self._auth_key = auth_key
+        self._stage_host = stage_host
+        self._staging = threading.local()
         self.engine = engine
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-xfer")
         self._flush_every = stats_flush_seconds
@@ -113,6 +121,11 @@ class PageTransfer:
             ns.counters.add("saves_dropped")
             ns.counters.add("saves_dropped_budget")
             return SaveStatus.DROPPED
+        staged = self._staged(segments)
+        if staged is not None:
+            for host, page in zip(staged, segments):
+                host.copy_(page.reshape(-1).view(torch.uint8))
+            segments = staged
         trailer = checksum.seal(segments, group=group, store_key=ns.store_key(group, key), block_key=key, parent_key=parent,
                                 algo=self._checksum, auth_key=self._auth_key)
         segs, off = [], 0
@@ -165,6 +178,29 @@ class PageTransfer:
                 if attempt:
                     raise
 
+    def _staged(self, segments: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
+        """Host views, one per segment, of this thread's staging buffer when the page is to be
+        staged (see ``stage_host``); None otherwise. The buffer is pinned where CUDA is present
+        and huge-page aligned otherwise (O_DIRECT moves it in place), grown to the page."""
+        stage = self._stage_host
+        if stage is None:
+            stage = not self.engine.gds_active and any(s.device.type != "cpu" for s in segments)
+        if not stage:
+            return None
+        sizes = [s.numel() * s.element_size() for s in segments]
+        buf = getattr(self._staging, "buf", None)
+        if buf is None or buf.numel() < sum(sizes):
+            if torch.cuda.is_available():
+                buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+            else:
+                buf = torch.frombuffer(aligned_host_buffer(sum(sizes)), dtype=torch.uint8)
+            self._staging.buf = buf
+        views, off = [], 0
+        for n in sizes:
+            views.append(buf[off:off + n])
+            off += n
+        return views
+
     def _store_state(self) -> str:
         """A note for log lines when the store's directory itself was removed under this process."""
         return "" if self.ns.store.fs.alive else " (the store directory was removed; restart to use a new one)"
@@ -190,8 +226,10 @@ class PageTransfer:
         path = ns.chunk_path(group, key)
         nbytes = sum(s.numel() for s in segments)
         trailer = bytearray(fmt.TRAILER_BYTES)
+        staged = self._staged(segments)
+        targets = segments if staged is None else staged
         segs, off = [], 0
-        for s in segments:
+        for s in targets:
             segs.append(Segment(off, s))
             off += s.numel()
         segs.append(Segment(off, trailer))
@@ -199,7 +237,10 @@ class PageTransfer:
         if budget is not None:
             budget.pin(path)
         try:
-            reason = self._read_and_verify(group, key, nbytes, segs, trailer, segments)
+            reason = self._read_and_verify(group, key, nbytes, segs, trailer, targets)
+            if reason is None and staged is not None:
+                for page, host in zip(segments, staged):
+                    page.reshape(-1).view(torch.uint8).copy_(host)
         except FileNotFoundError:
             ns.counters.add("loads_missing")
             return LoadStatus.MISSING

@@ -1793,6 +1793,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the rows as JSON on stdout")
     ap.add_argument("--real-cli", action="store_true", help="run every gdskv command as a fresh python process")
     a = ap.parse_args(argv)
+    for name in [k for k in os.environ if k.startswith("GDSKV_")]:
+        # every store and config here is named explicitly; an inherited GDSKV_STORE / GDSKV_CONFIG
+        # would override them in the processes this harness starts
+        print(f"torture: ignoring {name} from the environment", file=sys.stderr)
+        del os.environ[name]
     if a.dir:
         Path(a.dir).mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="gdskv-torture-", dir=a.dir))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +38,9 @@ COUNTS = ("wrong_loads", "exceptions", "lost", "outside", "hangs", "other")
 @pytest.fixture(scope="module")
 def fast_run(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("torture")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSKV_")}  # runs before the per-test isolation
     proc = subprocess.run([sys.executable, str(SCRIPT), "--fast", "--json", "--dir", str(work)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     try:
         return json.loads(proc.stdout)
     except ValueError:
