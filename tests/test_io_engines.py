@@ -420,3 +420,171 @@ def test_direct_writes_lay_a_chunk_out_in_one_piece(tmp_path: Path) -> None:
     assert sum(length for _, _, length in extents) >= nbytes + 128
     for (log_a, phys_a, len_a), (log_b, phys_b, _) in zip(extents, extents[1:]):
         assert log_b == log_a + len_a and phys_b == phys_a + len_a, f"chunk split on disk: {extents}"
+
+
+# --- kvikio: write order (issue 10, item 4) and cuFile buffer registration (item 8) -----------
+
+BLOCK = 4 * KiB
+
+
+class _WriteRecorder:
+    """Stands in for the ``kvikio`` module inside one ``KvikioEngine``: its ``CuFile`` handles pass
+    every call on to kvikio's own, and record each ``pwrite`` as in flight from its issue until its
+    future's ``get()`` returns. Every write issued while another write in flight touches one of
+    its 4 KiB blocks is a conflict, and so is a write kvikio would cut into tasks at offsets off a
+    block boundary (its tasks run at once and would share blocks)."""
+
+    def __init__(self, kvikio: object) -> None:
+        self._kvikio = kvikio
+        self.in_flight: list[tuple[int, int]] = []  # (first block, last block)
+        self.conflicts: list[str] = []
+        self.writes: list[tuple[int, int, int]] = []  # (offset, size, task size)
+        self.most_in_flight = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._kvikio, name)
+
+    def CuFile(self, path: str, flags: str = "r"):  # noqa: N802 (kvikio's name)
+        return _RecordingHandle(self, self._kvikio.CuFile(path, flags))
+
+    def issued(self, size: int, offset: int, task_size) -> tuple[int, int]:
+        import kvikio.defaults
+
+        task = task_size or kvikio.defaults.get("task_size")
+        self.writes.append((offset, size, task))
+        blocks = (offset // BLOCK, (offset + size - 1) // BLOCK)
+        for first, last in self.in_flight:
+            if first <= blocks[1] and blocks[0] <= last:
+                self.conflicts.append(f"write of {size} B at {offset} issued while blocks {first}..{last} were being written")
+        if size > task and (offset % BLOCK or task % BLOCK):
+            self.conflicts.append(f"write of {size} B at {offset} cut into {task} B tasks off block boundaries")
+        self.in_flight.append(blocks)
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
+        return blocks
+
+
+class _RecordingHandle:
+    def __init__(self, recorder: _WriteRecorder, handle) -> None:
+        self._recorder, self._handle = recorder, handle
+
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
+
+    def pwrite(self, buf, size=None, file_offset=0, task_size=None):
+        blocks = self._recorder.issued(size, file_offset, task_size)
+        future = self._handle.pwrite(buf, size, file_offset, task_size)
+        return _RecordingFuture(self._recorder, future, blocks)
+
+
+class _RecordingFuture:
+    def __init__(self, recorder: _WriteRecorder, future, blocks: tuple[int, int]) -> None:
+        self._recorder, self._future, self._blocks = recorder, future, blocks
+
+    def get(self) -> int:
+        try:
+            return self._future.get()
+        finally:
+            if self._blocks in self._recorder.in_flight:
+                self._recorder.in_flight.remove(self._blocks)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+REGION_SPLITS = [
+    [5000],  # one region, unaligned: the trailer shares its last block
+    [4 * KiB * 3 + 7],
+    [64 * KiB, 64 * KiB, 3000],  # aligned regions, then an unaligned one
+    [3000, 5000, 100_001],  # regions meeting inside blocks
+    [1 * MiB + 1, 300 * KiB - 5, 4 * KiB],  # above the 16 KiB GDS threshold, split into tasks
+]
+
+
+@pytest.fixture
+def recorded_kvikio(driver: str):
+    """A kvikio engine with 64 KiB tasks (so large regions are split) whose kvikio calls are recorded."""
+    from gdskv.io.kvikio_engine import KvikioEngine
+
+    engine = KvikioEngine(threads=2, task_size=64 * KiB)
+    recorder = _WriteRecorder(engine._kvikio)
+    engine._kvikio = recorder
+    yield engine, recorder
+    engine.close()
+    KvikioEngine(threads=4, task_size=1 * MiB).close()  # back to the module's engine settings
+
+
+@pytest.mark.parametrize("sizes", REGION_SPLITS, ids=lambda s: "+".join(map(str, s)))
+def test_kvikio_writes_in_flight_never_share_a_file_block(recorded_kvikio, tmp_path: Path, sizes: list[int]) -> None:
+    """A chunk's regions and its trailer: no two writes in flight at once touch the same 4 KiB
+    block (under GDS an unaligned cuFile write rewrites its whole block), and the bytes land."""
+    engine, recorder = recorded_kvikio
+    regions = [_random_bytes(n, seed=n) for n in sizes]
+    trailer = os.urandom(128)
+    segs, off = [], 0
+    for r in regions:
+        segs.append(Segment(off, r))
+        off += r.numel()
+    segs.append(Segment(off, trailer))
+    path = str(tmp_path / "chunk")
+    assert engine.write_now(path, segs) == off + 128
+    assert recorder.conflicts == []
+    assert len(recorder.writes) == len(segs) and recorder.in_flight == []
+    data = Path(path).read_bytes()
+    assert data == b"".join(r.numpy().tobytes() for r in regions) + trailer
+
+
+def test_kvikio_block_aligned_regions_are_written_at_once(recorded_kvikio, tmp_path: Path) -> None:
+    """The order costs a wait only where segments share a block: aligned regions go together."""
+    engine, recorder = recorded_kvikio
+    regions = [_random_bytes(64 * KiB, seed=i) for i in range(4)]
+    segs = [Segment(i * 64 * KiB, r) for i, r in enumerate(regions)] + [Segment(256 * KiB, os.urandom(128))]
+    engine.write(str(tmp_path / "chunk"), segs).result()
+    assert recorder.conflicts == [] and recorder.most_in_flight == 5
+
+
+def test_kvikio_failed_write_still_waits_for_every_issued_write(recorded_kvikio, tmp_path: Path) -> None:
+    """A segment the engine cannot take (strided memory) ends the call: nothing issued outlives it."""
+    engine, recorder = recorded_kvikio
+    strided = torch.zeros(8 * KiB, dtype=torch.uint8)[::2]
+    with pytest.raises(ValueError):
+        engine.write_now(str(tmp_path / "chunk"), [Segment(0, _random_bytes(5000, seed=1)), Segment(5000, strided)])
+    assert recorder.in_flight == []
+
+
+def test_kvikio_register_buffers_is_a_no_op_without_gds(engines: dict[str, IoEngine]) -> None:
+    engine = engines["kvikio"]
+    if engine.gds_active:
+        pytest.skip("GDS is active here")
+    pool = torch.zeros(4, 1024)
+    assert engine.register_buffers([pool, pool[1]]) == 0 and engine.registered_buffers == 0
+
+
+def test_kvikio_register_buffers_goes_through_kvikio_once_per_allocation(driver: str, monkeypatch) -> None:
+    """With GDS (pretended): each allocation registered once, deregistered at close; a registration
+    cuFile refuses (here: the driver double refuses every call) is left out, not raised."""
+    import types
+
+    from gdskv.io import kvikio_engine
+    from gdskv.io.kvikio_engine import KvikioEngine
+
+    monkeypatch.setattr(kvikio_engine, "_registrable", lambda t: isinstance(t, torch.Tensor) and t.numel() > 0)
+    engine = KvikioEngine(threads=1, task_size=1 * MiB)
+    engine._gds = True
+    k_pool, v_pool = torch.zeros(8, 256), torch.zeros(8, 256, dtype=torch.bfloat16)
+    real = engine._kvikio
+    if driver == "double":  # kvikio's own registration call reaches the double, which refuses it
+        assert engine.register_buffers([k_pool]) == 0 and engine.registered_buffers == 0
+    calls: list[tuple[str, int]] = []
+    engine._kvikio = types.SimpleNamespace(
+        memory_register=lambda buf: calls.append(("register", buf.__array_interface__["data"][0])),
+        memory_deregister=lambda buf: calls.append(("deregister", buf.__array_interface__["data"][0])))
+    try:
+        assert engine.register_buffers([k_pool, v_pool, k_pool]) == 2
+        assert engine.register_buffers([v_pool]) == 0 and engine.registered_buffers == 2
+        assert calls == [("register", k_pool.data_ptr()), ("register", v_pool.data_ptr())]
+    finally:
+        engine.close()
+        engine._kvikio = real
+        KvikioEngine(threads=4, task_size=1 * MiB).close()
+    assert calls[2:] == [("deregister", k_pool.data_ptr()), ("deregister", v_pool.data_ptr())]
+    assert engine.registered_buffers == 0

@@ -3,9 +3,13 @@
 Made by ``gdskv.io.make_engine`` when the config asks for ``engine = "kvikio"`` (or ``"auto"`` finds
 kvikio and a CUDA driver); used by the transfer layer (``gdskv.transfer``) for every chunk file.
 
-Each call opens one ``CuFile`` for the call's path, issues every segment at once with kvikio's
-asynchronous ``pread``/``pwrite`` (which split each segment into ``task_size`` tasks on kvikio's
-own thread pool), waits for all of them and closes the file. The transfer layer's threads make
+Each call opens one ``CuFile`` for the call's path, issues the segments with kvikio's asynchronous
+``pread``/``pwrite`` (which split each segment into ``task_size`` tasks on kvikio's own thread
+pool), waits for all of them and closes the file. A read issues every segment at once. A write
+never has two writes in flight into the same 4 KiB file block (``_Calls``): the trailer of a
+payload whose length is not a multiple of 4 KiB waits for the payload's last region, and so does
+a region that starts inside the block where the previous one ends; a segment that starts off a
+block boundary goes as one kvikio task. The transfer layer's threads make
 that call themselves, once per page (``read_now``/``write_now``); ``read``/``write`` run it on one
 of the engine's call threads and return a ``concurrent.futures.Future`` at once, so they never
 block the caller, not even on ``open``.
@@ -15,6 +19,10 @@ renamed when complete, and afterwards only read, quarantined or evicted: a cache
 would never be used again, and a cached read handle would keep an evicted or quarantined file's
 blocks allocated (and its space counted against the disk) for as long as it stays cached. One
 handle per call serves all segments of a page (its regions and its trailer).
+
+Device memory may be registered with cuFile once per worker (``register_buffers``, opt-in: the KV
+pool's regions at bring-up); unregistered device memory goes through cuFile's own bounce buffers.
+Registration is a no-op in compat mode.
 
 Memory: CPU tensors go to kvikio as zero-copy numpy views; CUDA tensors go as they are (kvikio
 reads ``__cuda_array_interface__``; with GDS it DMAs straight into device memory, in compat mode it
@@ -29,15 +37,19 @@ O_DIRECT for writes (``writes``, ``all``) and reads (``all``); GDS bypasses the 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from gdskv.confined import open_data_file
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
+
+log = logging.getLogger(__name__)
 
 # errno values by their strerror text: kvikio reports system errors as RuntimeError whose message
 # ends with strerror(errno); this maps them back onto OSError subclasses (FileNotFoundError, ...).
@@ -81,6 +93,8 @@ class KvikioEngine(IoEngine):
         self.file_mode = file_mode
         self._gds = _gds_usable(kvikio)
         self._calls = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-kvikio")
+        self._registered: dict[tuple[str, int], torch.Tensor] = {}  # allocation -> the view registered
+        self._registered_lock = threading.Lock()
 
     @property
     def gds_active(self) -> bool:
@@ -109,50 +123,208 @@ class KvikioEngine(IoEngine):
         return self._run(path, segments, "w")
 
     def _run(self, path: str, segments: Sequence[Segment], flags: str) -> int:
-        """One call: open, issue every segment, wait for all, close. The file is opened by
-        ``open_data_file`` first (no link, no FIFO, exact mode) and kvikio reopens that very
-        file through ``/proc/self/fd``."""
-        fd = open_data_file(path, write=flags == "w", mode=self.file_mode)
+        """One call: open, issue the segments, wait for all, close.
+
+        The file is opened by ``open_data_file`` first (no link, no FIFO, exact mode) and kvikio
+        reopens that very file through ``/proc/self/fd``: ``kvikio.CuFile`` takes a path only, and
+        opening the path itself would follow a link, block on a FIFO and create with kvikio's
+        own mode. A call therefore costs three opens (this one, kvikio's buffered one and its
+        O_DIRECT one) and, under GDS, one cuFile handle registration.
+
+        Reads issue every segment at once. Writes never have two writes in flight that touch the
+        same ``BLOCK`` of the file (see ``_WriteOrder``)."""
+        writing = flags == "w"
+        fd = open_data_file(path, write=writing, mode=self.file_mode)
         try:
             handle = self._kvikio.CuFile(f"/proc/self/fd/{fd}", flags)
         except RuntimeError as exc:
             os.close(fd)
             raise _os_error(exc, path) from exc
+        calls = _Calls(path, writing)
         try:
-            pending = []
-            failure: BaseException | None = None
-            op = handle.pread if flags == "r" else handle.pwrite
+            op = handle.pread if not writing else handle.pwrite
             for seg in segments:
                 try:
-                    memory, nbytes = _kvikio_buffer(seg.buf, writable=flags == "r")
-                    pending.append((op(memory, nbytes, seg.file_offset), nbytes, seg.file_offset))
-                except (RuntimeError, TypeError, ValueError) as exc:
-                    failure = exc
+                    memory, nbytes = _kvikio_buffer(seg.buf, writable=not writing)
+                except (TypeError, ValueError) as exc:
+                    calls.fail(exc)
                     break
-            total = 0
-            for io_future, nbytes, offset in pending:  # wait for all: none may outlive the handle
+                offset = seg.file_offset
+                task_size = None
+                if writing:
+                    calls.settle_sharing(offset, nbytes)  # wait for writes into this segment's blocks
+                    if calls.failure is not None:
+                        break
+                    task_size = _write_task_size(offset, nbytes, self.task_size)
                 try:
-                    done = io_future.get()
-                except RuntimeError as exc:
-                    failure = failure or exc
-                    continue
-                if done != nbytes and failure is None:
-                    failure = (ShortReadError if flags == "r" else OSError)(
-                        f"{path}: {nbytes} bytes at {offset} requested, {done} moved")
-                total += done
-            if isinstance(failure, (TypeError, ValueError)):  # the caller's memory, not the file
-                raise failure
-            if failure is not None:
-                raise _os_error(failure, path) from failure
-            if flags == "w" and self.fsync:
+                    io_future = op(memory, nbytes, offset) if task_size is None else op(memory, nbytes, offset, task_size)
+                except (RuntimeError, TypeError, ValueError) as exc:
+                    calls.fail(exc)
+                    break
+                calls.add(io_future, nbytes, offset)
+            calls.settle_all()  # none may outlive the handle
+            calls.raise_failure()
+            if writing and self.fsync:
                 os.fsync(handle.fileno())
-            return total
+            return calls.total
         finally:
             handle.close()
             os.close(fd)
 
+    # --- cuFile buffer registration ------------------------------------------------------------
+    def register_buffers(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Register device memory (a worker's KV pool regions) with cuFile once, so GDS moves page
+        bytes straight to and from it instead of through cuFile's own bounce buffers.
+
+        Opt-in: a worker calls it once at bring-up with its pool's region tensors. kvikio
+        registers the whole CUDA allocation that holds each tensor (``kvikio.memory_register``);
+        tensors of an allocation already registered by this engine are skipped. A no-op (0)
+        without GDS (kvikio's compat mode), for host tensors, and where this kvikio has no
+        registration call. A registration cuFile refuses is logged and left out: transfers still
+        work, through cuFile's bounce buffers. Registrations last until ``close``. Returns how
+        many allocations this call registered."""
+        if not self._gds:
+            return 0
+        register, _ = _registration_calls(self._kvikio)
+        if register is None:
+            return 0
+        done = 0
+        for t in tensors:
+            if not _registrable(t):
+                continue
+            flat = tensor_bytes(t)
+            key = (str(flat.device), flat.untyped_storage().data_ptr())
+            with self._registered_lock:
+                if key in self._registered:
+                    continue
+                try:
+                    register(_kvikio_buffer(flat, writable=False)[0])
+                except (RuntimeError, TypeError, ValueError) as exc:
+                    log.warning("gdskv: cuFile refused to register %d bytes of %s (%s); its pages move through "
+                                "cuFile's bounce buffers", flat.numel(), flat.device, exc)
+                    continue
+                self._registered[key] = flat
+                done += 1
+        return done
+
+    @property
+    def registered_buffers(self) -> int:
+        """How many allocations ``register_buffers`` has registered and ``close`` will deregister."""
+        return len(self._registered)
+
+    def _deregister_all(self) -> None:
+        _, deregister = _registration_calls(self._kvikio)
+        with self._registered_lock:
+            held, self._registered = list(self._registered.values()), {}
+        for flat in held:
+            try:
+                if deregister is not None:
+                    deregister(_kvikio_buffer(flat, writable=False)[0])
+            except (RuntimeError, TypeError, ValueError) as exc:  # at shutdown: say so, go on
+                log.warning("gdskv: cuFile deregistration of %s memory failed: %s", flat.device, exc)
+
     def close(self) -> None:
         self._calls.shutdown(wait=True)
+        self._deregister_all()
+
+
+BLOCK = 4096
+"""The file-system block that an unaligned cuFile / O_DIRECT write reads, modifies and writes back
+whole: two writes in flight into one block could each write back the other's bytes stale."""
+
+
+def _blocks(offset: int, nbytes: int) -> tuple[int, int]:
+    """The first and last ``BLOCK`` index a span touches (an empty span touches none: (1, 0))."""
+    if nbytes <= 0:
+        return 1, 0
+    return offset // BLOCK, (offset + nbytes - 1) // BLOCK
+
+
+def _write_task_size(offset: int, nbytes: int, task_size: int) -> int:
+    """The task size for kvikio's split of one write: the engine's, when every task then starts on
+    a block boundary; else the whole segment in one task (kvikio's tasks of a segment run at once,
+    and tasks cut at unaligned offsets would share blocks)."""
+    if offset % BLOCK == 0 and task_size % BLOCK == 0:
+        return task_size
+    return max(nbytes, 1)
+
+
+class _Calls:
+    """The kvikio futures of one engine call: their byte counts, the first failure, and (for
+    writes) which file blocks each one touches, so a write is issued only once every write in
+    flight into any of its blocks has completed.
+
+    Why (issue 10, item 4): the chunk format puts the 128-byte trailer right behind the payload,
+    so when the payload length is not a multiple of 4 KiB they share a block; a page's regions
+    likewise meet inside blocks. Under GDS the payload goes through cuFile (O_DIRECT: an unaligned
+    end is a read-modify-write of the whole block) while the trailer, below kvikio's GDS
+    threshold, goes through the page cache; issued together, either may write back the other's
+    bytes stale. Waiting costs a wait only where segments meet inside a block: the trailer of an
+    unaligned payload waits for the payload's last region, block-aligned regions all go at once."""
+
+    def __init__(self, path: str, writing: bool) -> None:
+        self.path = path
+        self.writing = writing
+        self.pending: list[tuple[Any, int, int, int, int]] = []  # future, nbytes, offset, first, last block
+        self.total = 0
+        self.failure: Optional[BaseException] = None
+
+    def add(self, io_future: Any, nbytes: int, offset: int) -> None:
+        self.pending.append((io_future, nbytes, offset, *_blocks(offset, nbytes)))
+
+    def fail(self, exc: BaseException) -> None:
+        self.failure = self.failure or exc
+
+    def settle_sharing(self, offset: int, nbytes: int) -> None:
+        """Wait for every pending call that touches a block of ``[offset, offset + nbytes)``."""
+        first, last = _blocks(offset, nbytes)
+        keep = []
+        for entry in self.pending:
+            if entry[3] <= last and first <= entry[4]:
+                self._settle(entry)
+            else:
+                keep.append(entry)
+        self.pending = keep
+
+    def settle_all(self) -> None:
+        pending, self.pending = self.pending, []
+        for entry in pending:
+            self._settle(entry)
+
+    def _settle(self, entry: tuple[Any, int, int, int, int]) -> None:
+        io_future, nbytes, offset = entry[:3]
+        try:
+            done = io_future.get()
+        except RuntimeError as exc:
+            self.fail(exc)
+            return
+        if done != nbytes and self.failure is None:
+            self.failure = (OSError if self.writing else ShortReadError)(
+                f"{self.path}: {nbytes} bytes at {offset} requested, {done} moved")
+        self.total += done
+
+    def raise_failure(self) -> None:
+        failure = self.failure
+        if isinstance(failure, (TypeError, ValueError)):  # the caller's memory, not the file
+            raise failure
+        if failure is not None:
+            raise _os_error(failure, self.path) from failure
+
+
+def _registrable(t: Any) -> bool:
+    """Whether ``register_buffers`` hands ``t`` to cuFile: a contiguous CUDA tensor."""
+    return isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.is_contiguous() and t.numel() > 0
+
+
+def _registration_calls(kvikio: Any) -> tuple[Optional[Callable[[Any], Any]], Optional[Callable[[Any], Any]]]:
+    """kvikio's cuFile buffer (de)registration calls: ``memory_register`` / ``memory_deregister``
+    (kvikio 24.x and later), or ``buffer_register`` / ``buffer_deregister`` where an older
+    kvikio names them so; (None, None) where it has neither."""
+    for reg, dereg in (("memory_register", "memory_deregister"), ("buffer_register", "buffer_deregister")):
+        register, deregister = getattr(kvikio, reg, None), getattr(kvikio, dereg, None)
+        if callable(register) and callable(deregister):
+            return register, deregister
+    return None, None
 
 
 def _kvikio_buffer(buf: Buffer, writable: bool) -> tuple[Any, int]:
