@@ -1,0 +1,296 @@
+"""The engine-neutral KV cache service: one per process that serves an engine's KV from the store.
+
+A connector (TensorRT-LLM, MAX, vLLM, ...) translates its engine's calls onto this object and holds
+no policy of its own. The service owns:
+
+- **bring-up** from a ``GdsKvConfig`` object and a ``NamespaceSpec`` (never from environment
+  variables): ``PageStore.from_config``, one namespace per TP shard, the byte budget
+  (``install_budget``), crash-leftover collection (``collect_in_background``), the I/O engine
+  (``make_engine``) and a ``PageTransfer`` with the config's chunk key (``auth_key``);
+- **lookup** of a request's chain of block keys across every layer group and every TP shard (the
+  served prefix ends at the first block ordinal any group or shard misses: ``gdskv.planner``),
+  with **leases** that eviction in any process respects; a lookup whose lease fails (a chunk
+  evicted between the presence check and the lease) is planned again;
+- **loads and saves** of pages (futures), of this process's own shard;
+- **lineage**: block keys chained on their parents (``keys``), the parent recorded with each save;
+- **counters**: this process's outcomes (``counters``), and the store's per-process counter files
+  that ``gdskv stats`` sums (``flush_stats``);
+- **close**.
+
+A service built with ``transfers=False`` only looks up (a scheduler process that never touches
+pages). Where the store cannot be used at all (``OSError``: full disk, read-only, removed) the
+service is inactive: lookups find nothing, loads and saves are not posted, one log line says so.
+A store path that is not a gdskv store, and a bad chunk key, fail bring-up (``ServiceSetupError`` /
+``ConfigError``), naming the setting.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Sequence
+
+from gdskv.config import GdsKvConfig
+from gdskv.eviction import install_budget
+from gdskv.garbage import collect_in_background
+from gdskv.io import make_engine
+from gdskv.keys import chain_keys
+from gdskv.planner import Lookup, Salt, contiguous_hits, plan_lookup
+from gdskv.store import Namespace, NamespaceSpec, PageStore, StoreError
+from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
+
+log = logging.getLogger(__name__)
+
+LEASE_SECONDS = 30.0
+"""How long a lookup's served chunks are leased against eviction (in any process), so the load
+that follows finds them."""
+
+
+class ServiceSetupError(ValueError):
+    """A configuration the service cannot serve, found at bring-up; the message names the setting."""
+
+
+@dataclass
+class ServiceCounters:
+    """What this process's service did (``snapshot()`` for a plain dict)."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    matched_tokens: int = 0
+    lease_replans: int = 0
+    """Lookups planned again because a chunk was gone by the time it was leased."""
+    loads_posted: int = 0
+    loads_loaded: int = 0
+    loads_failed: int = 0
+    bytes_loaded: int = 0
+    saves_posted: int = 0
+    saves_published: int = 0
+    saves_existing: int = 0
+    saves_dropped: int = 0
+    bytes_saved: int = 0
+
+
+class KvService:
+    """gdskv's KV cache service for one process of one deployment.
+
+    ``spec`` describes this process's shard (its ``tp_rank`` among ``tp_size``); lookups check
+    every shard's namespace (``spec.with_rank(r)``), loads and saves use this shard's. The KV
+    heads are split evenly across TP ranks, so every shard has the same page geometry; a shard
+    whose real geometry differed would have another namespace and simply miss.
+    """
+
+    def __init__(self, cfg: GdsKvConfig, spec: NamespaceSpec, *, transfers: bool = True,
+                 lease_seconds: float = LEASE_SECONDS) -> None:
+        if not isinstance(cfg, GdsKvConfig):
+            raise TypeError(f"KvService needs a GdsKvConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.spec = spec
+        self.lease_seconds = lease_seconds
+        self.tokens_per_block = spec.tokens_per_block
+        self.group_ids = [g.layer_group_id for g in spec.groups]
+        self.windows = [g.window_size for g in spec.groups]
+        self.counters = ServiceCounters()
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._dirty = False
+        self._last_flush = time.monotonic()
+        self.store: Optional[PageStore] = None
+        self.namespaces: list[Namespace] = []
+        self.transfer: Optional[PageTransfer] = None
+        auth_key = cfg.auth_key() if transfers else None  # ConfigError (naming the setting) at bring-up
+        try:
+            self.store = PageStore.from_config(cfg)
+            self.namespaces = [self.store.namespace(spec.with_rank(r)) for r in range(spec.tp_size)]
+            install_budget(self.store, cfg)
+            collect_in_background(self.store)
+        except StoreError as e:
+            raise ServiceSetupError(f"gdskv: store_path {cfg.store_path}: {e}") from None
+        except OSError as e:
+            log.error("gdskv: store %s (store_path) is unusable: %s; serving nothing", cfg.store_path, e)
+            self.namespaces = []
+            return
+        if transfers:
+            self.transfer = PageTransfer(self.namespace, make_engine(cfg), threads=cfg.io_threads,
+                                         stats_flush_seconds=cfg.stats_flush_seconds, auth_key=auth_key)
+        log.info("gdskv: service for %r shard %d/%d on namespace %s in %s%s", spec.model, spec.tp_rank, spec.tp_size,
+                 self.namespace.id, cfg.store_path,
+                 f" (I/O: {self.transfer.engine.describe()})" if self.transfer is not None else " (lookups only)")
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """Whether the store is usable (lookups can hit)."""
+        return bool(self.namespaces)
+
+    @property
+    def namespace(self) -> Namespace:
+        """This process's own shard (``spec.tp_rank``)."""
+        return self.namespaces[self.spec.tp_rank]
+
+    def bytes_per_page(self, group: int) -> int:
+        return self.spec.group(group).bytes_per_page
+
+    # -- lineage ----------------------------------------------------------------------------------
+    def keys(self, tokens: Sequence[int], cache_salt: Salt = None, start: int = 0,
+             parent: Optional[bytes] = None) -> list[bytes]:
+        """Keys of every full block of ``tokens`` from ordinal ``start`` on, each chained on its
+        parent's (``parent`` is block ``start - 1``'s key) with ``cache_salt`` mixed in."""
+        return chain_keys(tokens, self.tokens_per_block, cache_salt, start=start, parent=parent)
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def stored(self, group: int, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether every TP shard's chunk of it is in the store (layer group
+        ``group``). A shard is asked only about keys the shards before it hold."""
+        if not self.active:
+            return [False] * len(keys)
+        present = [True] * len(keys)
+        for ns in self.namespaces:
+            todo = [i for i, p in enumerate(present) if p]
+            if not todo:
+                break
+            for i, there in zip(todo, ns.contains_many(group, [keys[i] for i in todo])):
+                present[i] = there
+        return present
+
+    def _stored_dense(self, index: int, keys: Sequence[bytes]) -> list[bool]:
+        return self.stored(self.group_ids[index], keys)
+
+    def lookup(self, tokens: Sequence[int], cache_salt: Salt, num_computed_tokens: int = 0) -> Lookup:
+        """How many of ``tokens`` beyond the ``num_computed_tokens`` the engine holds the store
+        serves (``Lookup.num_new_tokens``; full blocks only, never the last token), with every
+        served chunk of every group and shard leased. Planned again, once, when a lease fails."""
+        for attempt in (0, 1):
+            found = plan_lookup(tokens, cache_salt, self.tokens_per_block, num_computed_tokens, len(self.group_ids),
+                                self._stored_dense)
+            if self.lease(found.keys[found.first_block:found.end_block]):
+                break
+            self._count(lease_replans=1)
+            if attempt:  # the second plan's lease failed too: promise nothing rather than a miss
+                found = Lookup(found.keys, found.first_block, found.first_block, num_computed_tokens, self.tokens_per_block)
+        self._count(lookups=1, lookup_tokens=len(tokens), matched_tokens=found.num_new_tokens)
+        if self.active:
+            shared = self.namespace.counters  # what `gdskv stats` sums across processes
+            shared.add("lookups")
+            shared.add("lookup_tokens", len(tokens))
+            shared.add("lookup_matched_tokens", found.num_new_tokens)
+            self._dirty = True
+        return found
+
+    def lookup_keys(self, keys: Sequence[bytes], first_block: int = 0) -> int:
+        """For an engine that names blocks itself (MAX's canonical hashes): the ordinal one past
+        the run of ``keys[first_block:]`` every group and shard holds, leased; planned again,
+        once, when a lease fails."""
+        for attempt in (0, 1):
+            end = len(keys)
+            for g in self.group_ids:  # each group is asked only about the run the others hold
+                end = contiguous_hits([self.stored(g, keys[first_block:end])], first_block)
+                if end <= first_block:
+                    return first_block
+            if self.lease(keys[first_block:end]):
+                return end
+            self._count(lease_replans=1)
+        return first_block
+
+    def lease(self, keys: Sequence[bytes]) -> bool:
+        """Lease ``keys``' chunks (every group, every shard) to the load that follows; False when
+        one was gone by then."""
+        if not keys:
+            return True
+        ok = True
+        for ns in self.namespaces:
+            for g in self.group_ids:
+                ok = all(ns.lease_many(g, list(keys), lease_seconds=self.lease_seconds)) and ok
+        return ok
+
+    # -- transfers --------------------------------------------------------------------------------
+    def load(self, group: int, key: bytes, segments: Sequence[Any], ready: Optional[Any] = None) -> Optional["Future[LoadStatus]"]:
+        """Read ``key``'s chunk of this shard into a page's ``segments`` and verify it; the
+        future's result is ``LoadStatus.LOADED`` only when the page holds exactly that KV. None
+        when the service has no transfers (inactive store): the caller recomputes."""
+        if self.transfer is None:
+            return None
+        fut = self.transfer.load_page(group, key, segments, ready=ready)
+        nbytes = self.bytes_per_page(group)
+        self._posted(loads_posted=1)
+        fut.add_done_callback(lambda f: self._loaded(f, nbytes))
+        return fut
+
+    def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
+             ready: Optional[Any] = None) -> Optional["Future[SaveStatus]"]:
+        """Publish a page of this shard under ``key`` (``parent``: the previous block's key, or
+        None for block 0) unless it is stored already. The caller keeps the page unchanged until
+        the future resolves. None when the service has no transfers."""
+        if self.transfer is None:
+            return None
+        fut = self.transfer.save_page(group, key, parent, segments, ready=ready)
+        nbytes = self.bytes_per_page(group)
+        self._posted(saves_posted=1)
+        fut.add_done_callback(lambda f: self._saved(f, nbytes))
+        return fut
+
+    @property
+    def in_flight(self) -> int:
+        """Transfers posted and not finished."""
+        with self._lock:
+            return self._inflight
+
+    def _posted(self, **n: int) -> None:
+        with self._lock:
+            self._inflight += 1
+            self._add(n)
+
+    def _loaded(self, fut: Future, nbytes: int) -> None:
+        status = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        with self._lock:
+            self._inflight -= 1
+            if status is LoadStatus.LOADED:
+                self._add({"loads_loaded": 1, "bytes_loaded": nbytes})
+            else:
+                self._add({"loads_failed": 1})
+
+    def _saved(self, fut: Future, nbytes: int) -> None:
+        status = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        with self._lock:
+            self._inflight -= 1
+            if status is SaveStatus.PUBLISHED:
+                self._add({"saves_published": 1, "bytes_saved": nbytes})
+            elif status is SaveStatus.EXISTS:
+                self._add({"saves_existing": 1})
+            else:
+                self._add({"saves_dropped": 1})
+
+    def _count(self, **n: int) -> None:
+        with self._lock:
+            self._add(n)
+
+    def _add(self, n: dict[str, int]) -> None:
+        for name, v in n.items():
+            setattr(self.counters, name, getattr(self.counters, name) + v)
+        self._dirty = True
+
+    # -- counters ---------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return asdict(self.counters)
+
+    def flush_stats(self, force: bool = False) -> None:
+        """Write the store's counter file of this process when something changed, at most every
+        ``stats_flush_seconds``, and at once when nothing is in flight (or ``force``)."""
+        if self.store is None or not self._dirty:
+            return
+        now = time.monotonic()
+        if not force and self.in_flight and now - self._last_flush < self.cfg.stats_flush_seconds:
+            return
+        self._dirty = False
+        self._last_flush = now
+        self.store.flush_stats()
+
+    def close(self) -> None:
+        """Wait for in-flight transfers, write the counters, close the I/O engine. Idempotent."""
+        if self.transfer is not None:
+            transfer, self.transfer = self.transfer, None
+            transfer.close()
+            transfer.engine.close()
+        self.flush_stats(force=True)
