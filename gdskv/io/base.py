@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Iterable, Sequence, Union
 
 import torch
 
@@ -85,6 +85,12 @@ class IoEngine(abc.ABC):
     def write_batch(self, ops: Sequence[tuple[str, Sequence[Segment]]]) -> list["Future[int]"]:
         """``write`` of several files at once (see ``read_batch``)."""
         return [self.write(path, segs) for path, segs in ops]
+
+    def register_buffers(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Register a worker's page memory (its KV pool regions) with the engine once, at
+        bring-up, where that makes device transfers faster (cuFile buffer registration under
+        GDS); how many allocations were registered. A no-op (0) here and in the POSIX engine."""
+        return 0
 
     def close(self) -> None:
         """Wait for in-flight calls and release threads and handles."""
