@@ -408,3 +408,20 @@ def _plan_saves(state: RequestState, complete: int, live_from: Sequence[int], st
             saves[g] = ops
             state.saves_planned += len(ops)
     return saves
+
+
+# --- loads ahead of the first step (engines that load asynchronously) -----------------------------
+
+def take_promised_loads(state: RequestState, block_ids_by_group: Sequence[Sequence[int]], num_tokens: int) -> dict[int, tuple[PageOp, ...]]:
+    """For an engine that loads a request's promised prefix before the request's first step
+    (vLLM's asynchronous loads): record the pages allocated for it and return the loads of the
+    promised blocks the engine accepted (``num_tokens`` from the first promised block, whole
+    blocks only), per layer group. The promise is then spent: the first report plans no loads
+    again, and a block whose load fails is saved again once the engine has recomputed it (a block
+    that loaded is in the store, so it is not saved twice)."""
+    state.record_alloc(block_ids_by_group)
+    first, end = state.promised
+    state.promised = (first, min(end, first + max(0, num_tokens) // state.tokens_per_block))
+    loads = _plan_loads(state)
+    state.promised = (0, 0)
+    return loads

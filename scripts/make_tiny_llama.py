@@ -11,7 +11,10 @@ Needs ``numpy``, ``safetensors``, ``tokenizers`` and ``transformers`` (all of
 which ``max[serve]`` installs); no torch and no network. The output is a
 pure function of ``--seed``, so two builds are byte-identical.
 
-    python scripts/make_tiny_llama.py OUT_DIR [--seed 0]
+    python scripts/make_tiny_llama.py OUT_DIR [--seed 0] [--dtype float32|bfloat16] [--head-dim N]
+
+``--dtype bfloat16`` (vLLM on CPU) rounds the same weights to bf16 and needs ``torch``;
+``--head-dim`` sets the attention head size (the hidden size is heads x head size).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class TinyLlamaShape:
     intermediate_size: int = 256
     max_position_embeddings: int = 2048
     vocab_size: int = 384
+    dtype: str = "float32"
 
     @property
     def head_dim(self) -> int:
@@ -119,7 +123,7 @@ def hf_config(shape: TinyLlamaShape, tok: PreTrainedTokenizerFast, vocab: int) -
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
+        "torch_dtype": shape.dtype,
         "vocab_size": vocab,
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": tok.eos_token_id,
@@ -137,8 +141,15 @@ def build(out: Path, seed: int = 0, shape: TinyLlamaShape = TinyLlamaShape()) ->
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id})
     )
-    save_file(random_weights(shape, vocab, seed), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    weights = random_weights(shape, vocab, seed)
+    if shape.dtype == "float32":
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        import torch
+        from safetensors.torch import save_file as save_torch
+
+        save_torch({k: torch.from_numpy(v).to(getattr(torch, shape.dtype)) for k, v in weights.items()},
+                   str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 
@@ -146,8 +157,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="directory to write the model into")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--head-dim", type=int, default=TinyLlamaShape.hidden_size // TinyLlamaShape.num_heads,
+                    help="attention head size (hidden size = heads x head size)")
     args = ap.parse_args()
-    print(build(args.out, args.seed))
+    shape = TinyLlamaShape(hidden_size=TinyLlamaShape.num_heads * args.head_dim, dtype=args.dtype)
+    print(build(args.out, args.seed, shape))
 
 
 if __name__ == "__main__":
