@@ -20,6 +20,11 @@ store (``docs/max.md`` says how to run it, ``../shared/spec/max-kvconnector.md``
   ``KVLoadFailed`` from every poll, once nothing is in flight any more.
 - **Offloads publish when written.** Chunks are renamed into place only after their bytes are
   written, so a block is visible to ``lookup`` exactly when all its shards landed.
+- **Device order.** ``load`` and ``offload`` record a readiness on the engine's stream of each
+  page's device when MAX hands the blocks over (``gdskv.streams``); no byte of a page is written
+  (load) or read (offload) before it, so kernels queued earlier finish with the slot first. A
+  load's copy into its pages has landed before the transfer completes, and MAX reads the pages
+  only after it saw that. Device memory is viewed zero-copy or the connector refuses to start.
 - **Nothing blocks the scheduler.** Loads, offloads, ``start_lookup`` and ``touch`` run on
   background threads; polls read a flag.
 
@@ -44,6 +49,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from gdskv import streams
 from gdskv.config import ConfigError, GdsKvConfig, load_config
 from gdskv.eviction import disk_usage, install_budget, scan_store
 from gdskv.garbage import collect_in_background
@@ -212,11 +218,13 @@ class GdsKvConnector:
         extra: Optional[Mapping[str, str]] = None,
         engine: Optional[IoEngine] = None,
         stats_file: Optional[str] = None,
+        engine_streams: Optional[Mapping[torch.device, Any]] = None,
     ) -> None:
         """``leaves`` and ``replica_memory`` as MAX's ``create_connector`` hands them (memory as
         ``LeafMemory``); ``model`` / ``dtype`` / ``tokens_per_block`` / ``extra`` identify the KV
         (they make the namespace). ``config`` defaults to ``load_config()``; ``engine`` to
-        ``make_engine(config)`` (then owned and closed here). Raises ``ValueError`` naming the
+        ``make_engine(config)`` (then owned and closed here). ``engine_streams``: the stream MAX
+        runs on per CUDA device (default: the device's current stream). Raises ``ValueError`` naming the
         leaf for memory that does not describe the leaves."""
         if not leaves:
             raise ValueError("gdskv MAX connector: no leaves to serve")
@@ -265,6 +273,7 @@ class GdsKvConnector:
         self._live_lookups: set[GdsKvLookup] = set()
         self._closed = False
         self._stats_file = stats_file
+        self._engine_streams = dict(engine_streams or {})
         self._stats_mu = threading.Lock()
         log.info("gdskv MAX connector: store %s, namespace(s) %s, leaves %s, %d TP shard(s), I/O %s",
                  self._store.root, ",".join(ns.id for ns in self._namespaces), ident["leaves"], tp_size,
@@ -398,12 +407,13 @@ class GdsKvConnector:
             self._count(loads_refused=1)
             raise
         blocks = sum(len(pairs) for pairs in plan.values())
+        ready = self._ready(p for *_, pages in chunks for p in pages)  # the slots may still be in use
         transfer = _LoadTransfer(self, [(leaf, key, pages[0].numel()) for leaf, key, _, pages in chunks], blocks, paths)
         abort = transfer.abort
         futures: list[Future] = []
         try:
             for leaf, key, src, pages in chunks:
-                futures.append(self._jobs.submit(self._load_page, self._xfers[src], self._gid[leaf], key, pages, abort))
+                futures.append(self._jobs.submit(self._load_page, self._xfers[src], self._gid[leaf], key, pages, abort, ready))
         except Exception as e:  # executor shut down: nothing may stay in flight into the pages
             abort.set()
             for f in futures:
@@ -451,9 +461,10 @@ class GdsKvConnector:
             return CompletedTransfer()
         posted: list[tuple[tuple[str, int], int, Future]] = []
         unposted: set[tuple[str, int]] = set()
+        ready = self._ready(w[-1] for w in work)  # the step that wrote a block may still be running
         for leaf, bid, shard, key, parent, page in work:
             try:
-                fut = self._xfers[shard].save_page(self._gid[leaf], key, parent, [page])
+                fut = self._xfers[shard].save_page(self._gid[leaf], key, parent, [page], ready=ready)
             except Exception as e:  # connector shut down: the block is dropped, counted
                 log.warning("gdskv: could not post an offload of leaf %r block %s: %s", leaf, key.hex(), e)
                 unposted.add((leaf, bid))
@@ -585,6 +596,10 @@ class GdsKvConnector:
             raise ValueError(f"replica_idx {replica_idx!r} outside [0, {len(self._memory)})")
         return self._memory[replica_idx]
 
+    def _ready(self, pages: Iterable[torch.Tensor]) -> Optional[streams.Readiness]:
+        """The readiness of the engine's work queued so far on the devices of ``pages``."""
+        return streams.record_ready(devices={p.device for p in pages}, streams=self._engine_streams)
+
     def _store_shards(self, leaf: str) -> range:
         """The shards whose namespaces hold ``leaf``'s chunks (shard 0 alone when replicated)."""
         m = self._memory[0][leaf]
@@ -635,19 +650,18 @@ class GdsKvConnector:
                 budget.unpin(p)
 
     @staticmethod
-    def _load_page(xfer: PageTransfer, gid: int, key: bytes, pages: list[torch.Tensor], abort: threading.Event) -> Optional[LoadStatus]:
-        """One chunk into its pages (one per destination shard): read into scratch memory,
-        verified, then copied. Runs on a load thread, which bounds the scratch memory in use to
-        one page per thread; ``None`` when the transfer failed before this chunk started."""
+    def _load_page(xfer: PageTransfer, gid: int, key: bytes, pages: list[torch.Tensor], abort: threading.Event,
+                   ready: Optional[streams.Readiness] = None) -> Optional[LoadStatus]:
+        """One chunk into its pages (one per destination shard): read into scratch memory once
+        ``ready`` (the engine's kernels using the pages are done), verified, then copied; the copy
+        has landed before this returns. Runs on a load thread, which bounds the scratch memory in
+        use to one page per thread; ``None`` when the transfer failed before this chunk started."""
         if abort.is_set():
             return None
         scratch = torch.empty_like(pages[0])
-        status = xfer.load_page(gid, key, [scratch]).result()
+        status = xfer.load_page(gid, key, [scratch], ready=ready).result()
         if status is LoadStatus.LOADED and not abort.is_set():
-            for page in pages:
-                page.copy_(scratch)
-            for device in {p.device for p in pages if p.is_cuda}:  # device copies are queued: landed before LOADED
-                torch.cuda.current_stream(device).synchronize()
+            streams.copy_into(pages, scratch)
         return status
 
     def _lookup_job(self, handle: "GdsKvLookup") -> dict[str, list[bool]]:
@@ -930,14 +944,13 @@ def _wait_quietly(f: Future) -> None:
 
 
 # --- MAX wiring ---------------------------------------------------------------------------------
-def _page_table(buffer: Any) -> torch.Tensor:
-    """A zero-copy torch view of one MAX ``[num_pages, bytes_per_page]`` uint8 buffer."""
-    if isinstance(buffer, torch.Tensor):
-        return buffer
-    try:
-        return torch.from_dlpack(buffer)
-    except Exception:  # a Buffer without DLPack export: host memory through numpy
-        return torch.from_numpy(buffer.to_numpy())
+def _page_tables(leaf: str, replica: int, mem: Any) -> LeafMemory:
+    """A leaf's ``KVCacheMemory`` as zero-copy torch views of its ``[num_pages, bytes_per_page]``
+    uint8 buffers; ``ValueError`` naming the leaf, replica and shard of one that cannot be viewed
+    without a copy (``gdskv.streams.zero_copy_view``)."""
+    views = tuple(streams.zero_copy_view(b, f"gdskv MAX connector: leaf {leaf!r} replica {replica} shard {s}")
+                  for s, b in enumerate(mem.buffers))
+    return LeafMemory(views, bool(mem.replicated))
 
 
 def model_identity(cfg: GdsKvConfig) -> str:
@@ -985,15 +998,12 @@ def create_gdskv_connector(leaves: Mapping[str, KVCacheGroupId], devices: Sequen
         "kv_hash_seed": "none" if seed is None else hashlib.sha256(bytes(seed)).hexdigest()[:16],
         "num_layers": str(getattr(params, "num_layers", "")),
     }
-    memory = [
-        {leaf: LeafMemory(tuple(_page_table(b) for b in mem.buffers), bool(mem.replicated))
-         for leaf, mem in replica.items() if leaf in leaves}
-        for replica in replica_kv_memory
-    ]
+    memory = [{leaf: _page_tables(leaf, r, mem) for leaf, mem in replica.items() if leaf in leaves}
+              for r, replica in enumerate(replica_kv_memory)]
     dtype = getattr(params.dtype, "name", str(params.dtype))
     return GdsKvConnector(leaves, memory, model=model_identity(cfg), dtype=dtype,
                           tokens_per_block=int(params.page_size), config=cfg, extra=extra,
-                          stats_file=os.environ.get(ENV_METRICS))
+                          stats_file=os.environ.get(ENV_METRICS), engine_streams=streams.engine_streams(devices))
 
 
 _installed: Optional[Callable[..., Any]] = None

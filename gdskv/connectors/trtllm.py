@@ -37,8 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-import torch
-
+from gdskv import streams
 from gdskv.config import GdsKvConfig, load_config
 from gdskv.connectors.trtllm_base import TRTLLM_AVAILABLE, KvCacheConnectorScheduler, KvCacheConnectorWorker
 from gdskv.eviction import install_budget
@@ -469,9 +468,16 @@ class GdsKvWorker(KvCacheConnectorWorker):
     per step, ``start_load_kv`` posts the loads, ``wait_for_layer_load(i)`` waits for the loads of
     layer ``i``'s group, ``save_kv_layer(i)`` posts a group's saves once its last layer has been
     computed (a page holds every layer of its group), ``wait_for_save`` makes sure every save is
-    posted and waits for those reading sliding-window pages (the cache may reclaim those once the
-    window moves); full-attention saves finish in the background and are reported by
+    posted. No save blocks the step: saves finish in the background and are reported by
     ``get_finished``.
+
+    Device ordering (``gdskv.streams``): a readiness recorded on the engine's stream when the slots
+    are handed over (``start_load_kv`` for loads, the group's last ``save_kv_layer`` for saves) is
+    what the transfer thread waits on before it writes (loads) or reads (saves) a page, so kernels
+    queued before still see the slot as they left it. The engine's later kernels read a loaded page
+    only after ``wait_for_layer_load`` saw its load complete (host order). A sliding-window page is
+    saved from a snapshot taken in stream order, since the cache may reclaim and reuse the page
+    once the window moves, before the save has read it.
     """
 
     def __init__(self, llm_args: Any):
@@ -486,13 +492,14 @@ class GdsKvWorker(KvCacheConnectorWorker):
         """Model layer -> its layer group id (``layout.group_of_layer``, resolved once at registration
         rather than on every per-layer hook)."""
         self._windows: dict[int, Optional[int]] = {}
+        self._device: Any = None
+        """Where the pool lives (ordering on its current stream when the engine passes none)."""
         # this step
         self._step_meta: Optional[ConnectorMetadata] = None
         self._last_step = 0
         self._step_loads: dict[int, list[tuple[int, Future]]] = defaultdict(list)
         self._layers_done: set[int] = set()
         self._groups_posted: set[int] = set()
-        self._window_saves: list[Future] = []
         # across steps
         self._loads: dict[int, list[Future]] = {}
         self._saves: dict[int, list[Future]] = {}
@@ -525,6 +532,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
         self._group_layers = {g.layer_group_id: frozenset(int(i) for i in g.layer_ids) for g in layout.groups}
         self._group_of_layer = {layer: gid for gid, layers in self._group_layers.items() for layer in layers}
         self._windows = {g.layer_group_id: g.window_size for g in layout.groups}
+        self._device = layout.groups[0].regions[0].slot_tensor(0).device
         try:
             store = PageStore.from_config(self._cfg)
             ns = store.namespace(spec)
@@ -558,17 +566,19 @@ class GdsKvWorker(KvCacheConnectorWorker):
         self._step_loads.clear()
         self._layers_done.clear()
         self._groups_posted.clear()
-        self._window_saves = []
         if self._transfer is None or meta is None:
             return
         self._last_step = meta.step
         with _PEERS_LOCK:
             for step in [s for s in self._peers.failed if s < meta.step]:
                 del self._peers.failed[step]
+        ready = None
         for gid in self._group_layers:
             group = self._layout.group(gid)
             for rid, op in meta.loads_of_group(gid):
-                fut = self._transfer.load_page(gid, op.key, page_segments(group, op.page_slot))
+                if ready is None:  # kernels queued so far may still use the slots: loads wait for them
+                    ready = streams.record_ready(stream, [self._device])
+                fut = self._transfer.load_page(gid, op.key, page_segments(group, op.page_slot), ready=ready)
                 self._step_loads[gid].append((rid, fut))
                 self._loads.setdefault(rid, []).append(fut)
                 self.counters.loads_posted += 1
@@ -589,14 +599,12 @@ class GdsKvWorker(KvCacheConnectorWorker):
             self._post_saves(gid, stream)
 
     def wait_for_save(self, stream: Any) -> None:
-        """End of the forward pass: post any save not yet posted, settle every load, and wait for
-        saves reading sliding-window pages. Full-attention saves may still be in flight."""
+        """End of the forward pass: settle every load and post (enqueue) any save not yet posted,
+        which is what the spec asks of it. Never waits for a save: those finish in the background
+        and are reaped by ``get_finished``."""
         for gid in self._group_layers:
             self._finish_loads(gid)
             self._post_saves(gid, stream)
-        for fut in self._window_saves:
-            fut.exception()
-        self._window_saves = []
 
     def get_finished(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
         """Ids whose saves (resp. loads) are complete, only among ids ever passed in here; the rest
@@ -651,22 +659,25 @@ class GdsKvWorker(KvCacheConnectorWorker):
         ops = meta.saves_of_group(gid)
         if not ops:
             return
-        ready = None
-        if isinstance(stream, torch.cuda.Stream):  # the layers' KV must be in memory before a thread reads it
-            ready = torch.cuda.Event()
-            ready.record(stream)
         with _PEERS_LOCK:
             failed = set(self._peers.failed.get(meta.step, ()))
         group = self._layout.group(gid)
+        windowed = self._windows[gid] is not None
+        ready = None
         for rid, op in ops:
             if rid in failed:
                 self.counters.saves_suppressed += 1
                 continue
-            fut = self._transfer.save_page(gid, op.key, op.parent_key, page_segments(group, op.page_slot), ready)
+            segments = page_segments(group, op.page_slot)
+            if windowed:  # the cache may reuse this page before the save reads it: save a copy
+                segments, page_ready = streams.snapshot(segments, stream, self._device)
+            else:  # the layers' KV must be in memory before the transfer thread reads it
+                if ready is None:
+                    ready = streams.record_ready(stream, [self._device])
+                page_ready = ready
+            fut = self._transfer.save_page(gid, op.key, op.parent_key, segments, ready=page_ready)
             self._saves.setdefault(rid, []).append(fut)
             self.counters.saves_posted += 1
-            if self._windows[gid] is not None:
-                self._window_saves.append(fut)
 
     @staticmethod
     def _settle(inflight: dict[int, list[Future]], count: Optional[Callable[[Future], Any]]) -> None:
