@@ -243,19 +243,17 @@ class ReferenceStack:
 
 
 def reference_stack(cfg: GdsKvConfig, vocab_size: int, max_prompt_tokens: int, max_new_tokens: int = 1) -> ReferenceStack:
-    """Build the reference engine + connector on ``cfg.store_path``. The connector loads gdskv's
-    config itself (``GDSKV_CONFIG``), with ``GDSKV_STORE`` set here for this process, and its worker
-    installs that config's budget when the engine registers the layout. Called by ``prewarm``;
+    """Build the reference engine + connector on ``cfg`` (passed to the connector as an object;
+    its worker installs the config's budget when the engine registers the layout). Called by ``prewarm``;
     also by tests to generate from prewarmed prompts in a fresh process."""
     from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
     from gdskv.engine import EngineConfig, ReferenceEngine
 
-    os.environ["GDSKV_STORE"] = cfg.store_path
     tpb = REFERENCE_TOKENS_PER_BLOCK
     model = reference_model_config(vocab_size)
     engine_cfg = EngineConfig(tokens_per_block=tpb, num_slots=-(-(max_prompt_tokens + max_new_tokens) // tpb) + 1, chunk_size=256, max_batch=1)
     args = StandaloneLlmArgs.build(model.fingerprint(), tpb)
-    scheduler, worker = GdsKvScheduler(args), GdsKvWorker(args)
+    scheduler, worker = GdsKvScheduler(args, config=cfg), GdsKvWorker(args, config=cfg)
     engine = ReferenceEngine(model, engine_cfg, scheduler, [worker])
     return ReferenceStack(engine, scheduler, worker, tpb)
 

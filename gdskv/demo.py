@@ -106,17 +106,15 @@ def run_store_phase(phase: str, store_path: str, n_prompts: int, blocks: int, pa
 
 def run_engine_phase(store_path: str, cache_salt: str, n_prompts: int, system_tokens: int, question_tokens: int, max_new_tokens: int) -> dict[str, Any]:
     """Generate with the reference engine + TensorRT-LLM connector on ``store_path``."""
-    import os
-
     from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
     from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine
 
-    os.environ["GDSKV_STORE"] = store_path
+    cfg = load_config(store_path=store_path)
     model = ModelConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16, intermediate_size=256, seed=7)
     engine_cfg = EngineConfig(tokens_per_block=ENGINE_TOKENS_PER_BLOCK, num_slots=256, chunk_size=256)
     name = model.fingerprint()
-    scheduler = GdsKvScheduler(StandaloneLlmArgs.build(name, ENGINE_TOKENS_PER_BLOCK))
-    worker = GdsKvWorker(StandaloneLlmArgs.build(name, ENGINE_TOKENS_PER_BLOCK))
+    scheduler = GdsKvScheduler(StandaloneLlmArgs.build(name, ENGINE_TOKENS_PER_BLOCK), config=cfg)
+    worker = GdsKvWorker(StandaloneLlmArgs.build(name, ENGINE_TOKENS_PER_BLOCK), config=cfg)
     engine = ReferenceEngine(model, engine_cfg, scheduler, [worker])
     g = torch.Generator().manual_seed(99)
     system = torch.randint(0, model.vocab_size, (system_tokens,), generator=g).tolist()

@@ -258,6 +258,7 @@ class GdsKvConnector:
         self._namespaces: list[Namespace] = [self._store.namespace(spec.with_rank(r)) for r in range(tp_size)]
         self._owns_engine = engine is None
         self._engine = engine if engine is not None else make_engine(self._cfg)
+        self._engine.register_buffers([t for mem in self._memory for lm in mem.values() for t in lm.shards])
         auth_key = self._cfg.auth_key()
         self._xfers = [PageTransfer(ns, self._engine, threads=self._cfg.io_threads, stats_flush_seconds=self._cfg.stats_flush_seconds,
                                     auth_key=auth_key) for ns in self._namespaces]

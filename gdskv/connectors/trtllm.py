@@ -196,6 +196,19 @@ def _peers(store_path: str, model: str, tp_size: int) -> _Peers:
 
 # --- layout checks ---------------------------------------------------------------------------------
 
+def _region_tensors(layout: Any) -> list[Any]:
+    """The tensors over a layout's regions, for ``IoEngine.register_buffers``; regions that
+    describe memory gdskv cannot view (TensorRT-LLM's own raw addresses) are left out."""
+    out = []
+    for g in layout.groups:
+        for r in g.regions:
+            try:
+                out.append(r.as_tensor())
+            except (AttributeError, RuntimeError, ValueError):
+                continue
+    return out
+
+
 def check_layout(layout: Any, expected_tokens_per_block: Optional[int]) -> None:
     """Refuse, naming the attribute, a layout gdskv cannot describe as store chunks.
 
@@ -284,9 +297,11 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
     layout, or when the store cannot be opened.
     """
 
-    def __init__(self, llm_args: Any):
+    def __init__(self, llm_args: Any, config: Optional[GdsKvConfig] = None):
+        """TensorRT-LLM constructs it with ``llm_args`` alone (gdskv's settings then come from
+        ``load_config()``); in-process callers (the reference engine's stacks) pass ``config``."""
         super().__init__(llm_args)
-        self._cfg = load_config()
+        self._cfg = config if config is not None else load_config()
         self._deployment = Deployment.from_llm_args(llm_args, self._cfg)
         self._peers = _peers(self._cfg.store_path, self._deployment.model, self._deployment.tp_size)
         self._namespaces: Optional[list[Namespace]] = None
@@ -480,9 +495,11 @@ class GdsKvWorker(KvCacheConnectorWorker):
     once the window moves, before the save has read it.
     """
 
-    def __init__(self, llm_args: Any):
+    def __init__(self, llm_args: Any, config: Optional[GdsKvConfig] = None):
+        """TensorRT-LLM constructs it with ``llm_args`` alone (gdskv's settings then come from
+        ``load_config()``); in-process callers (the reference engine's stacks) pass ``config``."""
         super().__init__(llm_args)
-        self._cfg = load_config()
+        self._cfg = config if config is not None else load_config()
         self._deployment = Deployment.from_llm_args(llm_args, self._cfg)
         self._peers = _peers(self._cfg.store_path, self._deployment.model, self._deployment.tp_size)
         self._layout: Any = None
@@ -549,7 +566,9 @@ class GdsKvWorker(KvCacheConnectorWorker):
                 "gdskv: rank %d uses namespace %s; the store's other namespace(s) %s for model %r have another geometry "
                 "and are not served from", d.tp_rank, ns.id, ", ".join(others), spec.model,
             )
-        self._transfer = PageTransfer(ns, make_engine(self._cfg), threads=self._cfg.io_threads, stats_flush_seconds=self._cfg.stats_flush_seconds,
+        engine = make_engine(self._cfg)
+        engine.register_buffers(_region_tensors(layout))
+        self._transfer = PageTransfer(ns, engine, threads=self._cfg.io_threads, stats_flush_seconds=self._cfg.stats_flush_seconds,
                                       auth_key=self._cfg.auth_key())
         with _PEERS_LOCK:
             self._peers.specs[d.tp_rank] = spec
