@@ -4,6 +4,8 @@ Exit codes: 0 ok, 1 problems found, 2 usage errors.
 """
 from __future__ import annotations
 
+import os
+
 import click
 
 from gdskv.cli.bench import bench
@@ -15,10 +17,14 @@ from gdskv.cli.ls import ls
 from gdskv.cli.prewarm import prewarm
 from gdskv.cli.stats import stats
 from gdskv.cli.verify import verify
-from gdskv.connectors.max import install_if_requested
 
-# `gdskv prewarm --engine max`: MAX's model worker is a spawned process that re-imports this module.
-install_if_requested()
+# `gdskv prewarm --engine max`: MAX's model worker is a spawned process that re-imports this module
+# with GDSKV_MAX_HOOK=1 (``gdskv.connectors.max.ENV_HOOK``); every other command never imports the
+# MAX adapter.
+if os.environ.get("GDSKV_MAX_HOOK") == "1":
+    from gdskv.connectors.max import install_if_requested
+
+    install_if_requested()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
