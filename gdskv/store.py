@@ -34,7 +34,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import zarr
 from zarr.storage import MemoryStore
@@ -176,6 +176,21 @@ class Counters:
     def __getitem__(self, name: str) -> int:
         with self._lock:
             return self._c[name]
+
+
+class CapacityBudget(Protocol):
+    """What a store's byte budget does for the transfer layer (``gdskv.eviction.Budget``
+    implements it; ``install_budget`` hands it to ``PageStore.budget`` at bring-up).
+    ``PageTransfer`` calls ``admit`` before a save writes (False: drop the save),
+    ``on_published`` after its rename, ``pin``/``unpin`` around every load."""
+
+    def admit(self, ns: "Namespace", group: int, nbytes: int, parent: Optional[bytes] = None) -> bool: ...
+
+    def on_published(self, ns: "Namespace", group: int, key: bytes, parent: Optional[bytes], nbytes: int) -> None: ...
+
+    def pin(self, path: str) -> None: ...
+
+    def unpin(self, path: str) -> None: ...
 
 
 class Namespace:
@@ -336,9 +351,8 @@ class PageStore:
         self.fs = ConfinedDir(root, file_mode, dir_mode)
         self._namespaces: dict[str, Namespace] = {}
         self._lock = threading.Lock()
-        self.budget: Optional[Any] = None
-        """Set by ``gdskv.eviction`` when a byte budget is configured: ``admit``, ``on_published``,
-        ``pin``/``unpin``."""
+        self.budget: Optional[CapacityBudget] = None
+        """The byte budget, when one is configured (``gdskv.eviction.install_budget``)."""
         self._stats_name = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}.json"
 
     @classmethod
