@@ -4,6 +4,7 @@ connector is proved by tests/test_vllm_integration.py against a real server."""
 from __future__ import annotations
 
 import importlib.util
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace as NS
 from typing import Optional
@@ -159,7 +160,6 @@ def settle(worker, finished=()):
         sending, recving = worker.finished(set(finished))
         if sending or recving:
             return sending, recving
-        import time
         time.sleep(0.01)
     return set(), set()
 
