@@ -205,6 +205,11 @@ class KvService:
         return ok
 
     # -- transfers --------------------------------------------------------------------------------
+    def register_memory(self, tensors: Sequence[Any]) -> int:
+        """Register the engine's page memory with the I/O engine once, at bring-up (cuFile buffer
+        registration under GDS; a no-op elsewhere); how many allocations were registered."""
+        return self.transfer.engine.register_buffers(tensors) if self.transfer is not None else 0
+
     def load(self, group: int, key: bytes, segments: Sequence[Any], ready: Optional[Any] = None) -> Optional["Future[LoadStatus]"]:
         """Read ``key``'s chunk of this shard into a page's ``segments`` and verify it; the
         future's result is ``LoadStatus.LOADED`` only when the page holds exactly that KV. None

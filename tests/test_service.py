@@ -197,3 +197,13 @@ def test_a_bad_chunk_key_fails_bring_up(tmp_path, monkeypatch):
         KvService(GdsKvConfig(store_path=str(tmp_path / "s"), auth_key_env="GDSKV_TEST_SHORT_KEY"), spec())
     with pytest.raises(TypeError):
         KvService({"store_path": str(tmp_path / "s")}, spec())  # type: ignore[arg-type]
+
+
+def test_page_memory_is_registered_with_the_io_engine(cfg, monkeypatch):
+    svc = KvService(cfg, spec())
+    seen = []
+    monkeypatch.setattr(svc.transfer.engine, "register_buffers", lambda ts: seen.extend(ts) or 0)
+    pool = [torch.zeros(8, dtype=torch.uint8)]
+    assert svc.register_memory(pool) == 0 and seen == pool
+    svc.close()
+    assert KvService(cfg, spec(), transfers=False).register_memory(pool) == 0

@@ -53,6 +53,7 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pool = PagePool(kv_caches, self._layer_names, self._num_blocks, self._layer_page_bytes)
+        self.service.register_memory([t for t, _ in self.pool.layers])
 
     def _fresh(self, meta: Any) -> Optional[StepMeta]:
         return meta if isinstance(meta, StepMeta) and self.pool is not None else None
