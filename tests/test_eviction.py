@@ -218,7 +218,7 @@ def test_scan_attaches_parents_and_caches_them(rig: _Rig, monkeypatch: pytest.Mo
     assert len(table) == 4 and table.total_bytes == 4 * CHUNK
     assert sorted(ev.depths(table.parent).tolist()) == [0, 1, 2, 3]
     assert list((rig.store.private / ev.INDEX_DIR).glob("*.npy"))
-    monkeypatch.setattr(ev, "_read_parent", lambda *a: pytest.fail("trailer read although the index has it"))
+    monkeypatch.setattr(ev.index, "_read_parent", lambda *a: pytest.fail("trailer read although the index has it"))
     again = scan_store(PageStore.open(rig.store.root))
     assert sorted(ev.depths(again.parent).tolist()) == [0, 1, 2, 3]
 

@@ -1,0 +1,152 @@
+"""Eviction removal: ``remove_chunks`` / ``remove_chunk``.
+
+Every file operation goes through ``store.fs`` (confined to the store's root). A chunk is renamed
+to a doomed temp name first, then removed only if no lease landed on it before the rename (a
+lease after it fails, so the lookup promises nothing).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from gdskv import format as fmt
+from gdskv.eviction.policy import ArrayRef, ChunkTable
+from gdskv.store import Namespace, PageStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Removal:
+    """What ``remove_chunks`` did. ``freed_bytes`` includes chunks another process removed first.
+    ``skipped_leased``: chunks a lookup leased after the scan (kept, with their ancestors)."""
+
+    removed: int = 0
+    removed_bytes: int = 0
+    skipped_pinned: int = 0
+    already_gone: int = 0
+    freed_bytes: int = 0
+    failed: int = 0
+    skipped_leased: int = 0
+
+
+_doomed_seq = itertools.count()
+
+
+def _doomed_name(rel: str) -> str:
+    """A temp name beside the chunk for its last moment: ``<lo>.tmp.<pid>.evict<n>``, which
+    ``gdskv gc`` collects as this process's temp file should it die right here."""
+    return f"{rel}{fmt.TMP_MARK}{os.getpid()}.evict{next(_doomed_seq)}"
+
+
+def remove_chunk(store: PageStore, rel: str) -> str:
+    """Remove one chunk file unless a lease vetoes it; ``"removed"``, ``"gone"``, ``"leased"`` or
+    ``"failed"``. Every step goes through ``store.fs`` (a link is moved or removed as itself).
+
+    The chunk is first renamed to a doomed temp name in its own directory, so no lease can land
+    on it by name any more (``Namespace.lease_many`` then fails, and the lookup promises nothing),
+    then ``lstat``-ed: an atime in the future means a lease landed before the rename, and the
+    chunk goes back under its name (``link_noreplace``: a chunk published there meanwhile wins)
+    and stays. Called by ``remove_chunks``."""
+    fs = store.fs
+    doomed = _doomed_name(rel)
+    try:
+        fs.rename(rel, doomed)
+    except FileNotFoundError:
+        return "gone"
+    except OSError as e:
+        log.warning("gdskv: could not evict %s: %s", fs.abspath(fs.rel(rel)), e)
+        return "failed"
+    try:
+        st = fs.lstat(doomed)
+    except FileNotFoundError:  # another process's gc or eviction took it
+        return "gone"
+    except OSError as e:
+        st = None
+        log.warning("gdskv: could not check the lease of %s: %s", fs.abspath(fs.rel(rel)), e)
+    try:
+        if st is None or st.st_atime_ns > time.time_ns():  # leased (or unknown): put it back
+            try:
+                fs.link_noreplace(doomed, rel)
+            except FileExistsError:  # a save published the block again meanwhile: that one stays
+                pass
+            except OSError:
+                fs.rename(doomed, rel)
+                return "leased"
+            fs.unlink(doomed)
+            return "leased"
+        fs.unlink(doomed)
+        return "removed"
+    except FileNotFoundError:
+        return "gone"
+    except OSError as e:
+        log.warning("gdskv: could not finish evicting %s (left as %s): %s", fs.abspath(fs.rel(rel)), doomed, e)
+        return "failed"
+
+
+def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
+                  is_pinned: Callable[[str], bool] = lambda path: False, lock: Optional[threading.Lock] = None) -> Removal:
+    """Remove the chunk files of ``rows`` in the order given (descendants first, as ranked).
+
+    A row whose file became pinned after it was chosen is kept, and so are its ancestors (they
+    come later in ``rows``); so is one a lookup leased after the scan (``remove_chunk``).
+    ``is_pinned`` is checked and the file removed under ``lock`` (the lock ``Budget.pin``
+    takes), so a load either keeps its chunk or finds it gone (a miss). Counts ``evicted`` /
+    ``evicted_bytes`` on the chunk's namespace (none for a damaged one). Called by ``Budget``
+    and ``gdskv evict``.
+    """
+    out = Removal()
+    keep: set[int] = set()
+    counted: dict[str, Optional[Namespace]] = {}
+    for row in (int(r) for r in rows):
+        if row in keep:
+            out.skipped_pinned += 1
+            continue
+        ref = table.arrays[int(table.array[row])]
+        index = int(table.index[row])
+        nbytes = int(table.nbytes[row])
+        with lock or contextlib.nullcontext():
+            status = "pinned" if is_pinned(ref.chunk_file(index)) else remove_chunk(store, ref.chunk_rel(index))
+        if status in ("pinned", "leased"):
+            if status == "pinned":
+                out.skipped_pinned += 1
+            else:
+                out.skipped_leased += 1
+            up = int(table.parent[row])
+            while up >= 0 and up not in keep:
+                keep.add(up)
+                up = int(table.parent[up])
+        elif status == "failed":
+            out.failed += 1
+        elif status == "gone":
+            out.already_gone += 1
+            out.freed_bytes += nbytes
+        else:
+            out.removed += 1
+            out.removed_bytes += nbytes
+            out.freed_bytes += nbytes
+            if ref.ns_id not in counted:
+                counted[ref.ns_id] = _counting_namespace(store, ref)
+            ns = counted[ref.ns_id]
+            if ns is not None:
+                ns.counters.add("evicted")
+                ns.counters.add("evicted_bytes", nbytes)
+    return out
+
+
+def _counting_namespace(store: PageStore, ref: ArrayRef) -> Optional[Namespace]:
+    """The registered namespace of ``ref`` (so ``flush_stats`` writes its counts); None for a
+    damaged namespace or when it cannot be registered."""
+    if ref.namespace is None:
+        return None
+    try:
+        return store.namespace(ref.namespace.spec)
+    except (OSError, ValueError, RuntimeError) as e:
+        log.warning("gdskv: eviction counts of namespace %s are not kept: %s", ref.ns_id, e)
+        return None
