@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -41,8 +42,7 @@ import torch
 from gdskv.config import GdsKvConfig, parse_size
 from gdskv.io import make_engine
 from gdskv.io.base import IoEngine, Segment
-from gdskv.io.posix import aligned_host_buffer, move_all
-from gdskv import format as fmt
+from gdskv.io.posix import PosixEngine, aligned_host_buffer, move_all
 from gdskv.store import GroupSpec, Namespace, NamespaceSpec, PageStore
 from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
 
@@ -260,21 +260,49 @@ def drop_page_cache(paths: Sequence[str]) -> None:
             os.close(fd)
 
 
-def write_chunk(ns: Namespace, group: int, key: bytes, parent: Optional[bytes], payload: bytes,
-                made_dirs: set[str]) -> str:
-    """Write a valid chunk of ``payload`` for ``key`` straight to its path (the file the transfer
-    layer publishes, without its temp file, budget check or thread hop) and return the path.
-    ``made_dirs``: directories already made, kept by the caller. How ``scripts/bench_lookup.py``
-    and ``scripts/bench_eviction.py`` grow stores to a million chunks in minutes."""
-    path = ns.chunk_path(group, key)
-    directory = os.path.dirname(path)
-    if directory not in made_dirs:
-        os.makedirs(directory, exist_ok=True)
-        made_dirs.add(directory)
-    trailer = fmt.pack(fmt.Trailer(group, len(payload), fmt.crc32c(payload), ns.store_key(group, key), key, parent))
-    with open(path, "wb") as f:
-        f.write(payload + trailer)
-    return path
+class ChunkWriter:
+    """Valid chunks, many of them, published through ``PageTransfer.save_page``: the transfer
+    layer's one chunk writer (temp file, trailer with checksum and keys, rename), so a benchmark
+    store holds exactly the files a store in service holds. How ``scripts/bench_lookup.py`` and
+    ``scripts/bench_eviction.py`` grow stores to a million chunks in minutes: up to ``window``
+    saves are in flight on the transfer's ``threads`` (POSIX engine, page cache); ``flush`` waits
+    for them and raises when one was not published. A context manager (``close`` on exit)."""
+
+    def __init__(self, ns: Namespace, threads: int = 8, window: int = 4096):
+        self.ns = ns
+        self._engine = PosixEngine(threads=1)
+        self._transfer = PageTransfer(ns, self._engine, threads=threads, stats_flush_seconds=3600.0)
+        self._window = window
+        self._pending: list[Future[SaveStatus]] = []
+
+    def write(self, group: int, key: bytes, parent: Optional[bytes], payload: bytes) -> str:
+        """Queue the chunk of ``key`` (``payload``: a whole page of the group) and return its path,
+        where the file is once ``flush`` returned."""
+        page = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self._pending.append(self._transfer.save_page(group, key, parent, [page]))
+        if len(self._pending) >= self._window:
+            self.flush()
+        return self.ns.chunk_path(group, key)
+
+    def flush(self) -> None:
+        """Wait for every queued chunk; RuntimeError when one was dropped."""
+        pending, self._pending = self._pending, []
+        bad = [st for st in (f.result() for f in pending) if st not in (SaveStatus.PUBLISHED, SaveStatus.EXISTS)]
+        if bad:
+            raise RuntimeError(f"{len(bad)} of {len(pending)} chunks not published ({bad[0]})")
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._transfer.close()
+            self._engine.close()
+
+    def __enter__(self) -> "ChunkWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def page_pool(num_pages: int, page_bytes: int) -> torch.Tensor:

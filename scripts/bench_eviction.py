@@ -1,7 +1,7 @@
 """How eviction scales with the number of chunks in a store.
 
 Grows one store through the given sizes (chunks of tiny pages, in chains of ``--chain`` blocks,
-written straight to disk as valid chunk files) and, at each size, times:
+published through the transfer layer's chunk writer, ``gdskv.bench.ChunkWriter``) and, at each size, times:
 
 - ``index cold``: ``scan_store`` with no index cache (scandir + stat + one trailer read per chunk),
 - ``index warm``: ``scan_store`` again (scandir + stat; parents from ``.gdskv/index``),
@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from gdskv import eviction as ev
-from gdskv.bench import write_chunk
+from gdskv.bench import ChunkWriter
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
 
 PAGE_BYTES = 16
@@ -34,13 +34,14 @@ def grow(store: PageStore, ns_spec: NamespaceSpec, start: int, stop: int, chain:
     """Write chunks ``start..stop-1`` (block ``i`` is the child of ``i-1`` unless it starts a chain)."""
     ns = store.namespace(ns_spec)
     payload = bytes(PAGE_BYTES)
-    made: set[str] = set()
     t0 = time.time_ns() - 10**12
-    for i in range(start, stop):
-        key = hashlib.sha256(i.to_bytes(8, "little")).digest()
-        parent = None if i % chain == 0 else hashlib.sha256((i - 1).to_bytes(8, "little")).digest()
-        path = write_chunk(ns, 0, key, parent, payload, made)
-        stamp = t0 + (i * 7919 % stop) * 1000  # scattered last-use times
+    stamps: list[tuple[str, int]] = []
+    with ChunkWriter(ns) as writer:
+        for i in range(start, stop):
+            key = hashlib.sha256(i.to_bytes(8, "little")).digest()
+            parent = None if i % chain == 0 else hashlib.sha256((i - 1).to_bytes(8, "little")).digest()
+            stamps.append((writer.write(0, key, parent, payload), t0 + (i * 7919 % stop) * 1000))  # scattered last-use times
+    for path, stamp in stamps:
         os.utime(path, ns=(stamp, stamp))
 
 

@@ -6,8 +6,8 @@
 Grows one namespace (64-byte pages: lookup cost does not depend on page size) to 10k, 100k, ...
 chunks, up to ``--max`` (``--max 1000000`` for the full run, a few minutes and ~1M inodes), and at
 each size times ``contains_many`` for batches of keys that are all present, all absent, and half
-and half. Chunk files are written directly (``gdskv.bench.write_chunk``: payload + trailer, the
-file the transfer layer publishes), which is much faster than going through the save path. Metadata is warm
+and half. Chunks are published through the transfer layer's one chunk writer
+(``gdskv.bench.ChunkWriter``: ``PageTransfer.save_page``, many in flight). Metadata is warm
 (dentries and inodes cached), as in a serving process that looks up the same store continually.
 """
 from __future__ import annotations
@@ -25,18 +25,19 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdskv.bench import write_chunk  # noqa: E402
+from gdskv.bench import ChunkWriter  # noqa: E402
 from gdskv.store import GroupSpec, Namespace, NamespaceSpec, PageStore  # noqa: E402
 
 PAGE_BYTES = 64
 GROUP = 0
 
 
-def grow(ns: Namespace, keys: list[bytes], made_dirs: set[str]) -> None:
+def grow(ns: Namespace, keys: list[bytes]) -> None:
     """Publish a valid chunk (a payload of zeros) for each key."""
     payload = bytes(PAGE_BYTES)
-    for key in keys:
-        write_chunk(ns, GROUP, key, None, payload, made_dirs)
+    with ChunkWriter(ns) as writer:
+        for key in keys:
+            writer.write(GROUP, key, None, payload)
 
 
 def time_lookup(ns: Namespace, keys: list[bytes], expect_hits: int, repeats: int) -> float:
@@ -70,11 +71,10 @@ def run(directory: str, maximum: int, batch_sizes: Sequence[int], repeats: int,
         ns = store.namespace(NamespaceSpec(model="gdskv-bench-lookup", dtype="uint8", tokens_per_block=1,
                                            groups=(GroupSpec(GROUP, PAGE_BYTES, (0,), None),)))
         stored: list[bytes] = []
-        made_dirs: set[str] = set()
         for size in sizes_up_to(maximum):
             start = time.perf_counter()
             new = [rng.randbytes(32) for _ in range(size - len(stored))]
-            grow(ns, new, made_dirs)
+            grow(ns, new)
             stored.extend(new)
             if log:
                 log(f"store grown to {size} chunks in {time.perf_counter() - start:.1f} s")
