@@ -13,6 +13,7 @@ Who calls what:
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
 
@@ -46,8 +47,13 @@ class KvCacheBufferRef(NamedTuple):
 class KvCacheRegion:
     """A contiguous byte range that repeats once per page slot.
 
-    ``_storage`` is a flat uint8 view of the tensor the addresses point into, when this process
-    built the layout; a region describing foreign memory has none and cannot be viewed as a tensor.
+    ``device`` says where the addresses point: ``"cpu"`` (host memory, the default) or a CUDA
+    device (``"cuda"``, ``"cuda:1"``). ``_storage`` is a flat uint8 view of the tensor the
+    addresses point into, when this process built the layout from a tensor. A region built from a
+    raw address and size (memory someone else allocated) has none until it is first viewed: host
+    memory is then wrapped zero-copy (ctypes → ``torch.frombuffer``), CUDA memory through an object
+    exposing ``__cuda_array_interface__`` (``torch.as_tensor``). Whoever owns that memory keeps it
+    alive as long as the region is used.
     """
 
     base: int
@@ -55,6 +61,7 @@ class KvCacheRegion:
     stride: int
     num_slots: int
     buffers: tuple[KvCacheBufferRef, ...] = ()
+    device: str = "cpu"
     _storage: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     def address_of(self, slot: int) -> int:
@@ -62,20 +69,26 @@ class KvCacheRegion:
         self._check_slot(slot)
         return self.base + self.stride * slot
 
+    @property
+    def span_bytes(self) -> int:
+        """Bytes from ``base`` to the end of the last slot (0 for a region without slots)."""
+        return self.stride * (self.num_slots - 1) + self.size if self.num_slots > 0 else 0
+
     def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A strided ``[num_slots, size // itemsize]`` view; row ``i`` is page slot ``i``.
 
         Accepts any subscript, ``-1`` included: prefer ``slot_tensor`` for page indices.
         """
-        if self._storage is None:
-            raise RuntimeError("this region describes memory gdskv did not allocate; no tensor view")
-        flat = torch.as_strided(
-            self._storage, size=(self.num_slots, self.size), stride=(self.stride, 1),
-            storage_offset=self.base - self._storage.data_ptr(),
-        )
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.size % itemsize:
             raise ValueError(f"region size {self.size} is not a multiple of {dtype} itemsize {itemsize}")
+        storage = self._storage if self._storage is not None else self._wrap_address()
+        if storage.numel() == 0:
+            return torch.empty((0, self.size // itemsize), dtype=dtype, device=storage.device)
+        flat = torch.as_strided(
+            storage, size=(self.num_slots, self.size), stride=(self.stride, 1),
+            storage_offset=self.base - storage.data_ptr(),
+        )
         return flat.view(dtype)
 
     def slot_tensor(self, slot_id: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -86,6 +99,39 @@ class KvCacheRegion:
     def _check_slot(self, slot: int) -> None:
         if not 0 <= int(slot) < self.num_slots:
             raise IndexError(f"page slot {slot} outside [0, {self.num_slots})")
+
+    def _wrap_address(self) -> torch.Tensor:
+        """A flat uint8 tensor over ``[base, base + span_bytes)`` without copying, kept as
+        ``_storage`` so the next view costs nothing."""
+        span = self.span_bytes
+        dev = torch.device(self.device)
+        if span == 0 or self.base == 0:
+            if span:
+                raise ValueError("region at address 0")
+            flat = torch.empty(0, dtype=torch.uint8, device=dev)
+        elif dev.type == "cpu":
+            flat = torch.frombuffer((ctypes.c_uint8 * span).from_address(self.base), dtype=torch.uint8)
+        elif dev.type == "cuda":
+            # Not exercised by the CPU test suite: needs a CUDA device (scripts/gpu_check.py territory).
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"region on {self.device}, but CUDA is not available in this process")
+            flat = torch.as_tensor(_CudaRange(self.base, span), device=dev)
+            if flat.data_ptr() != self.base:
+                raise RuntimeError(f"region on {self.device}: torch copied the memory instead of viewing it")
+        else:
+            raise RuntimeError(f"region on {self.device}: gdskv views host and CUDA memory only")
+        object.__setattr__(self, "_storage", flat)
+        return flat
+
+
+class _CudaRange:
+    """``nbytes`` of CUDA memory at ``ptr``, as ``__cuda_array_interface__`` (version 3) describes
+    it, so that ``torch.as_tensor`` views it without a copy. Used by ``KvCacheRegion`` for regions
+    built from a raw device address."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
 
 
 @dataclass(frozen=True)
@@ -143,6 +189,7 @@ def _region_over(t: torch.Tensor, offset: int, size: int, buffers: Sequence[KvCa
         stride=row_bytes,
         num_slots=t.shape[0],
         buffers=tuple(buffers),
+        device=str(t.device),
         _storage=_storage_bytes(t),
     )
 

@@ -1,11 +1,15 @@
 """Layout semantics: the spec's names, -1 and out-of-range slots, single pool and VSWA builders."""
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import pytest
 import torch
 
 from gdskv.layout import (
-    BAD_PAGE_INDEX, GroupPools, KvCacheBufferRef, layout_from_group_tensors, single_pool_layout, valid_page_slots,
+    BAD_PAGE_INDEX, GroupPools, KvCacheBufferRef, KvCacheRegion, layout_from_group_tensors, single_pool_layout,
+    valid_page_slots,
 )
 
 
@@ -88,3 +92,51 @@ def test_vswa_groups_with_several_regions():
 def test_groups_must_agree_on_slot_count():
     with pytest.raises(ValueError, match="slot count"):
         layout_from_group_tensors([GroupPools(None, [0], [torch.zeros(4, 8), torch.zeros(5, 8)])], 8, torch.float32)
+
+
+# --- regions over memory gdskv did not allocate (a raw address and size) ------------------------
+def test_a_region_over_a_raw_host_address_reads_and_writes_that_buffer():
+    """Slot ``i`` of a region built from an address is the memory at ``base + i * stride``: zero
+    copy, both ways (here a numpy buffer with 8 bytes of padding between 24-byte slots)."""
+    buf = np.arange(4 * 32, dtype=np.uint8)
+    r = KvCacheRegion(base=buf.ctypes.data, size=24, stride=32, num_slots=4)
+    assert r.device == "cpu"
+    assert bytes(r.slot_tensor(2).numpy()) == bytes(buf[64:88])
+    r.slot_tensor(1).fill_(0xEE)
+    assert (buf[32:56] == 0xEE).all() and (buf[56:64] == np.arange(56, 64)).all() and buf[31] == 31
+    assert r.slot_tensor(1).data_ptr() == buf.ctypes.data + 32
+    assert r.as_tensor().shape == (4, 24)
+    assert torch.equal(r.as_tensor(torch.int32)[3], torch.from_numpy(buf[96:120].view(np.int32)))
+
+
+def test_a_region_over_a_ctypes_buffer_by_address_sees_later_writes_to_it():
+    raw = (ctypes.c_uint8 * 48)()
+    r = KvCacheRegion(base=ctypes.addressof(raw), size=16, stride=16, num_slots=3)
+    raw[20] = 7
+    assert int(r.slot_tensor(1)[4]) == 7
+    r.slot_tensor(2).copy_(torch.full((16,), 9, dtype=torch.uint8))
+    assert list(raw[32:48]) == [9] * 16 and list(raw[:16]) == [0] * 16
+
+
+@pytest.mark.parametrize("slot", [-1, 3, 100])
+def test_a_raw_address_region_refuses_slots_outside_it(slot):
+    buf = np.zeros(3 * 16, dtype=np.uint8)
+    r = KvCacheRegion(base=buf.ctypes.data, size=16, stride=16, num_slots=3)
+    with pytest.raises(IndexError):
+        r.slot_tensor(slot)
+    with pytest.raises(IndexError):
+        r.address_of(slot)
+
+
+def test_a_raw_address_region_on_an_unknown_device_or_without_cuda_says_so():
+    buf = np.zeros(16, dtype=np.uint8)
+    with pytest.raises(RuntimeError, match="host and CUDA"):
+        KvCacheRegion(base=buf.ctypes.data, size=16, stride=16, num_slots=1, device="meta").slot_tensor(0)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            KvCacheRegion(base=buf.ctypes.data, size=16, stride=16, num_slots=1, device="cuda").slot_tensor(0)
+
+
+def test_regions_built_from_tensors_know_their_device():
+    r = single_pool_layout(torch.zeros(2, 1, 2, 4), tokens_per_block=4).groups[0].regions[0]
+    assert r.device == "cpu"
