@@ -11,6 +11,8 @@ land in the store:
   ``reference_model_config(vocab)``: deterministic weights, so every process that builds it shares
   the namespace. Without ``--tokenizer`` the text is tokenized by ``ByteTokenizer`` (UTF-8 bytes).
 - ``trtllm``: TensorRT-LLM's ``LLM`` with the connector config, ``generate(..., max_tokens=1)``.
+- ``vllm``: vLLM's offline ``LLM`` with gdskv's KV connector (``gdskv.connectors.vllm``,
+  ``kv_load_failure_policy="recompute"``), ``generate(..., max_tokens=1)``.
 - ``max``: Modular MAX's offline ``LLM`` with gdskv's KVConnector installed.
 
 Prompts that cannot run (empty, longer than ``--max-prompt-tokens``, unreadable lines, an engine
@@ -282,7 +284,7 @@ class Summary:
 
 def _tokenize(tok: Tokenizer, p: Prompt, max_tokens: int) -> list[int]:
     """The prompt's token ids; ValueError (the prompt is skipped) when it is unreadable, empty or
-    longer than ``max_tokens``. Called by the reference and TensorRT-LLM runners."""
+    longer than ``max_tokens``. Called by the reference, TensorRT-LLM and vLLM runners."""
     if p.error:
         raise ValueError(p.error)
     ids = tok.render_chat(p.messages) if p.messages is not None else tok.encode(p.text or "")
@@ -327,7 +329,7 @@ class _ReferenceRunner:
 
 class _StoreDelta:
     """Blocks and bytes an external engine added, measured on the store (its counters live in
-    the engine's processes). Used by the TensorRT-LLM and MAX runners around each prompt."""
+    the engine's processes). Used by the TensorRT-LLM, vLLM and MAX runners around each prompt."""
 
     def __init__(self, cfg: GdsKvConfig) -> None:
         from gdskv.store import PageStore
@@ -415,6 +417,35 @@ class _MaxRunner:
         del self.llm
 
 
+class _VllmRunner:
+    """vLLM's offline ``LLM`` with gdskv's KV connector (needs ``vllm``): the kv-transfer-config
+    of docs/vllm.md, ``kv_load_failure_policy="recompute"`` included. vLLM's own prefix cache stays
+    on (a prompt repeated within the run is served from the device); the connector saves every
+    full block it computes."""
+
+    def __init__(self, cfg: GdsKvConfig, model: str, tokenizer: Optional[str], max_tokens: int) -> None:
+        try:
+            from vllm import LLM, SamplingParams
+            from vllm.config import KVTransferConfig
+        except ImportError:
+            raise UsageProblem("--engine vllm needs vLLM (vllm does not import in this Python)") from None
+        os.environ["GDSKV_STORE"] = cfg.store_path
+        self.params = SamplingParams(max_tokens=1)
+        self.llm = LLM(model=model, tokenizer=tokenizer, kv_transfer_config=KVTransferConfig(
+            kv_connector="GdsKvConnector", kv_connector_module_path="gdskv.connectors.vllm", kv_role="kv_both",
+            kv_load_failure_policy="recompute", kv_connector_extra_config={"store_path": cfg.store_path}))
+        self.tok = HfTokenizer(self.llm.get_tokenizer())
+        self.max_tokens = max_tokens
+        self.delta = _StoreDelta(cfg)
+
+    def run(self, prompt: Prompt) -> Outcome:
+        ids = _tokenize(self.tok, prompt, self.max_tokens)
+        return self.delta.around(lambda: self.llm.generate([{"prompt_token_ids": ids}], self.params, use_tqdm=False))
+
+    def close(self) -> None:
+        del self.llm
+
+
 _STORE_HINT = "Pass --store PATH or set GDSKV_STORE."
 
 
@@ -458,6 +489,8 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
             runner: _Runner = _ReferenceRunner(cfg, tok, max_tokens, salt)
         elif engine == "trtllm":
             runner = _TrtllmRunner(cfg, model or "", tokenizer, max_tokens)
+        elif engine == "vllm":
+            runner = _VllmRunner(cfg, model or "", tokenizer, max_tokens)
         else:
             runner = _MaxRunner(cfg, model or "", max_tokens)
     except (ConnectorSetupError, StoreError, OSError) as e:
@@ -467,8 +500,8 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
 
 @click.command()
 @click.argument("prompts", nargs=-1, required=True, type=click.Path())
-@click.option("--engine", type=click.Choice(["reference", "trtllm", "max"]), default="reference", show_default=True)
-@click.option("--model", default=None, help="Model for trtllm / max (a Hugging Face id or a local path).")
+@click.option("--engine", type=click.Choice(["reference", "trtllm", "vllm", "max"]), default="reference", show_default=True)
+@click.option("--model", default=None, help="Model for trtllm / vllm / max (a Hugging Face id or a local path).")
 @click.option("--tokenizer", default=None, help="Tokenizer (Hugging Face id or path); default: the model's, or bytes for the reference engine.")
 @click.option("--cache-salt", "cache_salt", default=None, help="Cache salt mixed into every block key (reference engine).")
 @click.option("--max-prompt-tokens", "max_tokens", type=click.IntRange(1), default=4096, show_default=True, help="Longer prompts are skipped.")

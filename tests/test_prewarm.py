@@ -233,3 +233,24 @@ def test_store_the_connector_cannot_use_is_not_a_silent_success(tmp_path: Path, 
     no_traceback(res)
     assert res.exit_code == 2, res.output
     assert "could not use the store" in res.stderr and res.stdout == ""
+
+
+# --- --engine vllm --------------------------------------------------------------------------------
+def test_vllm_engine_without_vllm_is_a_one_line_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where vLLM does not import, ``--engine vllm`` is exit 2 with one line naming what is missing
+    (the real run is in docs/vllm.md: it needs a vLLM install)."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, installed or not
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\n")
+    res = cli(tmp_path / "store", "prewarm", str(prompts), "--engine", "vllm", "--model", "some/model")
+    no_traceback(res)
+    err = res.stderr.strip()
+    assert res.exit_code == 2, (res.exit_code, res.stdout, err)
+    assert len(err.splitlines()) == 1 and "--engine vllm needs vLLM" in err, err
+
+
+def test_vllm_engine_needs_a_model(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\n")
+    res = cli(tmp_path / "store", "prewarm", str(prompts), "--engine", "vllm")
+    assert res.exit_code == 2 and "--engine vllm needs --model" in res.stderr
