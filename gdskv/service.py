@@ -25,12 +25,13 @@ A store path that is not a gdskv store, and a bad chunk key, fail bring-up (``Se
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import install_budget
@@ -103,7 +104,8 @@ class KvService:
         try:
             self.store = PageStore.from_config(cfg)
             self.namespaces = [self.store.namespace(spec.with_rank(r)) for r in range(spec.tp_size)]
-            install_budget(self.store, cfg)
+            if transfers:  # a lookup-only service writes no chunk: no byte budget (nor its scan of the store)
+                install_budget(self.store, cfg)
             collect_in_background(self.store)
         except StoreError as e:
             raise ServiceSetupError(f"gdskv: store_path {cfg.store_path}: {e}") from None
@@ -219,8 +221,7 @@ class KvService:
         fut = self.transfer.load_page(group, key, segments, ready=ready)
         nbytes = self.bytes_per_page(group)
         self._posted(loads_posted=1)
-        fut.add_done_callback(lambda f: self._loaded(f, nbytes))
-        return fut
+        return _counted(fut, lambda f: self._loaded(f, nbytes))
 
     def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
              ready: Optional[Any] = None) -> Optional["Future[SaveStatus]"]:
@@ -232,8 +233,7 @@ class KvService:
         fut = self.transfer.save_page(group, key, parent, segments, ready=ready)
         nbytes = self.bytes_per_page(group)
         self._posted(saves_posted=1)
-        fut.add_done_callback(lambda f: self._saved(f, nbytes))
-        return fut
+        return _counted(fut, lambda f: self._saved(f, nbytes))
 
     @property
     def in_flight(self) -> int:
@@ -299,3 +299,26 @@ class KvService:
             transfer.close()
             transfer.engine.close()
         self.flush_stats(force=True)
+
+
+def _counted(fut: Future, count: Callable[[Future], None]) -> Future:
+    """A future that resolves as ``fut`` does, once ``count(fut)`` has run: whoever sees a load or
+    save done (``result()``, ``done()``, ``wait``) also sees the counters it moved. Cancelling it
+    cancels ``fut`` where that has not started."""
+    out: Future = Future()
+
+    def relay(f: Future) -> None:
+        try:
+            count(f)
+        finally:
+            with contextlib.suppress(InvalidStateError):  # ``out`` was cancelled meanwhile
+                if f.cancelled():
+                    out.cancel()
+                elif f.exception() is not None:
+                    out.set_exception(f.exception())
+                else:
+                    out.set_result(f.result())
+
+    out.add_done_callback(lambda o: fut.cancel() if o.cancelled() else None)
+    fut.add_done_callback(relay)
+    return out

@@ -270,7 +270,7 @@ class GatedWrites:
 def test_get_finished_reports_only_given_ids_and_only_after_publication(store):
     rt = make([single_pool_layout(single_pool(seed=5), TPB)])
     worker = rt.workers[0]
-    gate = GatedWrites(worker._transfer.engine)
+    gate = GatedWrites(worker.service.transfer.engine)
     req, other = FakeRequest(1, PROMPT), FakeRequest(2, [40] * 9)
     pages, pages_other = [[0, 1, 2, 3, 4, 5]], [[6, 7, 8]]
     rt.admit(req, pages)
@@ -523,7 +523,7 @@ def test_a_store_that_vanishes_while_serving_degrades_without_raising(store):
 
 def test_per_layer_group_pair_alone_is_a_complete_scheduler():
     """The spec: implementing the per-layer-group form of a pair is enough."""
-    from gdskv.connectors.trtllm_base import KvCacheConnectorScheduler
+    from gdskv.connectors.trtllm.base import KvCacheConnectorScheduler
 
     class PerGroupOnly(KvCacheConnectorScheduler):
         def build_connector_meta(self, scheduler_output):

@@ -18,21 +18,12 @@ from typing import Any, Optional
 
 import torch
 
+from gdskv import streams
 from gdskv.service import KvService
 from gdskv.transfer import LoadStatus
 from gdskv.connectors.vllm.translate import PagePool, StepMeta
 
 log = logging.getLogger(__name__)
-
-
-def _record_ready(device: torch.device) -> Optional[Any]:
-    """What a transfer thread waits on before it touches a page: the engine's work queued so
-    far on the device's current stream (None on CPU, where the forward pass is synchronous)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event(blocking=True)
-    event.record(torch.cuda.current_stream(device))
-    return event
 
 
 class WorkerSide:
@@ -72,7 +63,7 @@ class WorkerSide:
         if meta is None or meta.step <= self._last_step:
             return
         self._last_step = meta.step
-        ready = _record_ready(self.pool.device) if meta.loads else None
+        ready = streams.record_ready(devices=[self.pool.device]) if meta.loads else None
         for rid, ops in meta.loads:
             posted = self._loads.setdefault(rid, [])
             for op in ops:
@@ -83,7 +74,7 @@ class WorkerSide:
         if meta is None:
             return
         self._held.update(meta.held)
-        ready = _record_ready(self.pool.device) if meta.saves else None
+        ready = streams.record_ready(devices=[self.pool.device]) if meta.saves else None
         for rid, ops in meta.saves:
             for op in ops:
                 fut = self.service.save(op.layer_group_id, op.key, op.parent_key, self.pool.segments(op.page_slot), ready=ready)

@@ -3,10 +3,11 @@
 When ``tensorrt_llm`` imports, ``KvCacheConnectorScheduler`` and ``KvCacheConnectorWorker`` are
 TensorRT-LLM's own (``tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector``, or
 ``tensorrt_llm._torch.pyexecutor.kv_cache_connector`` in older releases), so gdskv's connector
-classes are real TensorRT-LLM connectors. Where it does not (CPU machines, the reference engine,
-tests), the abstract classes below stand in: same method names, same signatures, same
-bookkeeping (``self._llm_args``, ``bind_connector_meta`` storing ``self._metadata``), and the
-same defaults for the per-layer-group and layout forms, written from the public spec.
+classes (``gdskv.connectors.trtllm``) are real TensorRT-LLM connectors. Where it does not (CPU
+machines, the reference engine, tests), the abstract classes below stand in: same method names,
+same signatures, same bookkeeping (``self._llm_args``, ``bind_connector_meta`` storing
+``self._metadata``), and the same defaults for the per-layer-group and layout forms, written from
+the public spec.
 
 ``TRTLLM_AVAILABLE`` says which world this is.
 """

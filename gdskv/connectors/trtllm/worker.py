@@ -1,0 +1,284 @@
+"""``GdsKvWorker``: the rank-local half of the TensorRT-LLM connector, on ``gdskv.service.KvService``.
+
+It translates TensorRT-LLM's worker calls (registration, the per-step and per-layer hooks,
+``get_finished``) into the service's page loads and saves of this rank's shard, addressed through
+the registered ``KvCacheLayout`` (``page_segments``), ordered against the engine's stream
+(``gdskv.streams``), counted by the service.
+"""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from gdskv import streams
+from gdskv.config import GdsKvConfig, load_config
+from gdskv.connectors.trtllm.base import KvCacheConnectorWorker
+from gdskv.connectors.trtllm.deployment import ConnectorSetupError, Deployment, peers
+from gdskv.connectors.trtllm.layout_check import check_layout, region_tensors
+from gdskv.layout import single_pool_layout
+from gdskv.planner import ConnectorMetadata
+from gdskv.service import KvService, ServiceSetupError
+from gdskv.store import Namespace, NamespaceSpec
+from gdskv.transfer import LoadStatus, PageTransfer, page_segments
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerCounters:
+    """Outcomes of this worker's transfers."""
+
+    loads_posted: int = 0
+    loads_loaded: int = 0
+    loads_failed: int = 0
+    saves_posted: int = 0
+    saves_published: int = 0
+    saves_existing: int = 0
+    saves_dropped: int = 0
+    saves_suppressed: int = 0
+    """Saves not posted because the request's load failed in that step (its KV is not trusted)."""
+
+
+class GdsKvWorker(KvCacheConnectorWorker):
+    """The rank-local half: executes the step's metadata against this rank's KV pool.
+
+    Constructed on every rank as ``GdsKvWorker(llm_args)``; registered once with the pool; then,
+    per step, ``start_load_kv`` posts the loads, ``wait_for_layer_load(i)`` waits for the loads of
+    layer ``i``'s group, ``save_kv_layer(i)`` posts a group's saves once its last layer has been
+    computed (a page holds every layer of its group), ``wait_for_save`` makes sure every save is
+    posted. No save blocks the step: saves finish in the background and are reported by
+    ``get_finished``.
+
+    Device ordering (``gdskv.streams``): a readiness recorded on the engine's stream when the slots
+    are handed over (``start_load_kv`` for loads, the group's last ``save_kv_layer`` for saves) is
+    what the transfer thread waits on before it writes (loads) or reads (saves) a page, so kernels
+    queued before still see the slot as they left it. The engine's later kernels read a loaded page
+    only after ``wait_for_layer_load`` saw its load complete (host order). A sliding-window page is
+    saved from a snapshot taken in stream order, since the cache may reclaim and reuse the page
+    once the window moves, before the save has read it.
+    """
+
+    def __init__(self, llm_args: Any, config: Optional[GdsKvConfig] = None):
+        """TensorRT-LLM constructs it with ``llm_args`` alone (gdskv's settings then come from
+        ``load_config()``); in-process callers (the reference engine's stacks) pass ``config``."""
+        super().__init__(llm_args)
+        self._cfg = config if config is not None else load_config()
+        self._deployment = Deployment.from_llm_args(llm_args, self._cfg)
+        self._peers = peers(self._cfg.store_path, self._deployment.model, self._deployment.tp_size)
+        self.service: Optional[KvService] = None
+        """This rank's service, built at registration."""
+        self._layout: Any = None
+        self._group_layers: dict[int, frozenset[int]] = {}
+        self._group_of_layer: dict[int, int] = {}
+        """Model layer -> its layer group id (``layout.group_of_layer``, resolved once at registration
+        rather than on every per-layer hook)."""
+        self._windows: dict[int, Optional[int]] = {}
+        self._device: Any = None
+        """Where the pool lives (ordering on its current stream when the engine passes none)."""
+        # this step
+        self._step_meta: Optional[ConnectorMetadata] = None
+        self._last_step = 0
+        self._step_loads: dict[int, list[tuple[int, Future]]] = defaultdict(list)
+        self._layers_done: set[int] = set()
+        self._groups_posted: set[int] = set()
+        # across steps
+        self._loads: dict[int, list[Future]] = {}
+        self._saves: dict[int, list[Future]] = {}
+        self._awaiting_save: dict[int, None] = {}
+        self._awaiting_load: dict[int, None] = {}
+        self._load_failures: dict[int, None] = {}
+        self._suppressed = 0
+
+    @property
+    def counters(self) -> WorkerCounters:
+        """A snapshot of this rank's transfer outcomes (the service counts them)."""
+        done = self.service.snapshot() if self.service is not None else {}
+        names = [n for n in WorkerCounters.__dataclass_fields__ if n != "saves_suppressed"]
+        return WorkerCounters(**{n: done.get(n, 0) for n in names}, saves_suppressed=self._suppressed)
+
+    @property
+    def _transfer(self) -> Optional[PageTransfer]:
+        """The service's page transfer of this rank; None when inactive or closed."""
+        return self.service.transfer if self.service is not None else None
+
+    @property
+    def namespace(self) -> Optional[Namespace]:
+        """The store namespace this rank saves to and loads from (None when inactive)."""
+        return self._transfer.ns if self._transfer is not None else None
+
+    # -- registration -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_cache_tensor: Any) -> None:
+        """Called once at bring-up with the single pool ``[num_blocks, num_layers, kv_factor,
+        block_size]`` (one layer group, full attention)."""
+        self._register(single_pool_layout(kv_cache_tensor, self._deployment.tokens_per_block))
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """Called once at bring-up with the pool described per layer group and region (TensorRT-LLM's
+        ``KvCacheLayout`` or gdskv's, duck-typed). Refuses a layout it cannot describe."""
+        self._register(layout)
+
+    def _register(self, layout: Any) -> None:
+        d = self._deployment
+        check_layout(layout, d.tokens_per_block if d.tokens_per_block_given else None)
+        spec = NamespaceSpec.from_layout(layout, model=d.model, tp_rank=d.tp_rank, tp_size=d.tp_size)
+        self._layout = layout
+        self._group_layers = {g.layer_group_id: frozenset(int(i) for i in g.layer_ids) for g in layout.groups}
+        self._group_of_layer = {layer: gid for gid, layers in self._group_layers.items() for layer in layers}
+        self._windows = {g.layer_group_id: g.window_size for g in layout.groups}
+        self._device = layout.groups[0].regions[0].slot_tensor(0).device
+        try:
+            self.service = service = KvService(self._cfg, spec)
+        except ServiceSetupError as e:
+            raise ConnectorSetupError(str(e)) from None
+        if service.transfer is None:  # the service logged why; this rank loads and saves nothing
+            return
+        ns = service.namespace
+        others = [o.id for o in service.store.namespaces() if o.spec.model == spec.model and o.spec.tp_rank == d.tp_rank and o.id != ns.id]
+        if others:
+            log.info(
+                "gdskv: rank %d uses namespace %s; the store's other namespace(s) %s for model %r have another geometry "
+                "and are not served from", d.tp_rank, ns.id, ", ".join(others), spec.model,
+            )
+        service.register_memory(region_tensors(layout))
+        self._peers.publish(d.tp_rank, spec)
+        log.info("gdskv: rank %d/%d registered %d layer group(s) as namespace %s", d.tp_rank, d.tp_size, len(layout.groups), ns.id)
+
+    # -- one step -----------------------------------------------------------------------------
+    def start_load_kv(self, stream: Any) -> None:
+        """Start of the forward pass: post this step's loads (all groups) and reset step state."""
+        meta = self._metadata if isinstance(self._metadata, ConnectorMetadata) else None
+        if meta is not None and meta.step <= self._last_step:
+            meta = None  # already executed: the runtime bound no new metadata this step
+        self._step_meta = meta
+        self._step_loads.clear()
+        self._layers_done.clear()
+        self._groups_posted.clear()
+        if self._transfer is None or meta is None:
+            return
+        self._last_step = meta.step
+        self._peers.forget_before(meta.step)
+        ready = None
+        for gid in self._group_layers:
+            group = self._layout.group(gid)
+            for rid, op in meta.loads_of_group(gid):
+                if ready is None:  # kernels queued so far may still use the slots: loads wait for them
+                    ready = streams.record_ready(stream, [self._device])
+                fut = self.service.load(gid, op.key, page_segments(group, op.page_slot), ready=ready)
+                self._step_loads[gid].append((rid, fut))
+                self._loads.setdefault(rid, []).append(fut)
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        """Before layer ``layer_idx`` computes: wait for the loads into its group's pages."""
+        if self._layout is not None:
+            self._finish_loads(self._group_of_layer[int(layer_idx)])
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        """After layer ``layer_idx``'s compute is enqueued: once every layer of its group has been,
+        post that group's saves."""
+        if self._layout is None:
+            return
+        self._layers_done.add(int(layer_idx))
+        gid = self._group_of_layer[int(layer_idx)]
+        if self._group_layers[gid] <= self._layers_done:
+            self._post_saves(gid, stream)
+
+    def wait_for_save(self, stream: Any) -> None:
+        """End of the forward pass: settle every load and post (enqueue) any save not yet posted,
+        which is what the spec asks of it. Never waits for a save: those finish in the background
+        and are reaped by ``get_finished``."""
+        for gid in self._group_layers:
+            self._finish_loads(gid)
+            self._post_saves(gid, stream)
+
+    def get_finished(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Ids whose saves (resp. loads) are complete, only among ids ever passed in here; the rest
+        stay pending and are reported by a later call. A save is complete once its chunk is
+        published (or found existing, or dropped)."""
+        for rid in finished_gen_req_ids:
+            self._awaiting_save[int(rid)] = None
+        for rid in started_loading_req_ids:
+            self._awaiting_load[int(rid)] = None
+        _settle(self._saves, "save")
+        _settle(self._loads, None)  # logged when awaited, in _finish_loads
+        saved = [rid for rid in self._awaiting_save if rid not in self._saves]
+        loaded = [rid for rid in self._awaiting_load if rid not in self._loads]
+        for rid in saved:
+            del self._awaiting_save[rid]
+        for rid in loaded:
+            del self._awaiting_load[rid]
+        return saved, loaded
+
+    def get_load_failures(self) -> list[int]:
+        """Reference-engine extension (TensorRT-LLM has no such hook): request ids whose loaded KV
+        failed verification (missing or corrupt chunk) since the last call; the engine recomputes
+        them. Called by the reference engine after ``wait_for_save``."""
+        failed = list(self._load_failures)
+        self._load_failures.clear()
+        return failed
+
+    def close(self) -> None:
+        """Wait for in-flight transfers and write the counters (tests, the demo, shutdown)."""
+        if self.service is not None:
+            self.service.close()
+
+    # -- internals ----------------------------------------------------------------------------
+    def _finish_loads(self, gid: int) -> None:
+        """Wait for this step's loads into group ``gid``; a load that is not LOADED fails its request."""
+        for rid, fut in self._step_loads.pop(gid, []):
+            exc = fut.exception()
+            status = fut.result() if exc is None else None
+            if status is LoadStatus.LOADED:
+                continue
+            if exc is not None:
+                log.warning("gdskv: a load failed: %s", exc)
+            else:
+                log.warning("gdskv: a load came back %s; the request's KV is recomputed where the engine can", status.value)
+            self._load_failures[rid] = None
+            if self._step_meta is not None:
+                self._peers.load_failed(self._step_meta.step, rid)
+
+    def _post_saves(self, gid: int, stream: Any) -> None:
+        """Post group ``gid``'s saves of this step (once), skipping requests whose load failed in
+        this step on any rank: their KV was computed on top of bytes that are not theirs."""
+        meta = self._step_meta
+        if gid in self._groups_posted or meta is None or self._transfer is None:
+            return
+        self._groups_posted.add(gid)
+        ops = meta.saves_of_group(gid)
+        if not ops:
+            return
+        failed = self._peers.failed_in(meta.step)
+        group = self._layout.group(gid)
+        windowed = self._windows[gid] is not None
+        ready = None
+        for rid, op in ops:
+            if rid in failed:
+                self._suppressed += 1
+                continue
+            segments = page_segments(group, op.page_slot)
+            if windowed:  # the cache may reuse this page before the save reads it: save a copy
+                segments, page_ready = streams.snapshot(segments, stream, self._device)
+            else:  # the layers' KV must be in memory before the transfer thread reads it
+                if ready is None:
+                    ready = streams.record_ready(stream, [self._device])
+                page_ready = ready
+            fut = self.service.save(gid, op.key, op.parent_key, segments, ready=page_ready)
+            self._saves.setdefault(rid, []).append(fut)
+
+
+def _settle(inflight: dict[int, list[Future]], what: Optional[str]) -> None:
+    """Drop finished futures (logging a failed ``what`` once) and requests with none left."""
+    for rid in list(inflight):
+        pending = []
+        for fut in inflight[rid]:
+            if not fut.done():
+                pending.append(fut)
+            elif what is not None and fut.exception() is not None:
+                log.warning("gdskv: a %s failed: %s", what, fut.exception())
+        if pending:
+            inflight[rid] = pending
+        else:
+            del inflight[rid]
