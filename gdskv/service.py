@@ -13,6 +13,7 @@ no policy of its own. The service owns:
   evicted between the presence check and the lease) is planned again;
 - **loads and saves** of pages (futures), of this process's own shard;
 - **lineage**: block keys chained on their parents (``keys``), the parent recorded with each save;
+  for an engine that names blocks itself, links learnt from the runs it shows (``lineage``);
 - **counters**: this process's outcomes (``counters``), and the store's per-process counter files
   that ``gdskv stats`` sums (``flush_stats``);
 - **close**.
@@ -29,6 +30,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -36,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import install_budget
 from gdskv.garbage import collect_in_background
-from gdskv.io import make_engine
+from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
 from gdskv.planner import Lookup, Salt, contiguous_hits, plan_lookup
 from gdskv.store import Namespace, NamespaceSpec, PageStore, StoreError
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 LEASE_SECONDS = 30.0
 """How long a lookup's served chunks are leased against eviction (in any process), so the load
 that follows finds them."""
+LINEAGE_CAPACITY = 1 << 16
+"""How many ``block -> parent`` links ``KvService.lineage`` remembers."""
 
 
 class ServiceSetupError(ValueError):
@@ -80,10 +84,16 @@ class KvService:
     every shard's namespace (``spec.with_rank(r)``), loads and saves use this shard's. The KV
     heads are split evenly across TP ranks, so every shard has the same page geometry; a shard
     whose real geometry differed would have another namespace and simply miss.
+
+    ``engine``: the I/O engine (default ``make_engine(cfg)``, then owned and closed by ``close``).
+    ``shards``: the TP shards whose pages this process moves (``load``/``save``'s ``shard``);
+    default its own, ``spec.tp_rank``. An engine that drives every shard from one process (MAX)
+    names them all.
     """
 
     def __init__(self, cfg: GdsKvConfig, spec: NamespaceSpec, *, transfers: bool = True,
-                 lease_seconds: float = LEASE_SECONDS) -> None:
+                 lease_seconds: float = LEASE_SECONDS, engine: Optional[IoEngine] = None,
+                 shards: Optional[Sequence[int]] = None) -> None:
         if not isinstance(cfg, GdsKvConfig):
             raise TypeError(f"KvService needs a GdsKvConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -100,6 +110,11 @@ class KvService:
         self.store: Optional[PageStore] = None
         self.namespaces: list[Namespace] = []
         self.transfer: Optional[PageTransfer] = None
+        """This shard's (``spec.tp_rank``)."""
+        self.transfers: dict[int, PageTransfer] = {}
+        self.engine: Optional[IoEngine] = None
+        self._owns_engine = engine is None
+        self.lineage = Lineage()
         auth_key = cfg.auth_key() if transfers else None  # ConfigError (naming the setting) at bring-up
         try:
             self.store = PageStore.from_config(cfg)
@@ -114,11 +129,14 @@ class KvService:
             self.namespaces = []
             return
         if transfers:
-            self.transfer = PageTransfer(self.namespace, make_engine(cfg), threads=cfg.io_threads,
-                                         stats_flush_seconds=cfg.stats_flush_seconds, auth_key=auth_key)
+            self.engine = engine if engine is not None else make_engine(cfg)
+            for r in (spec.tp_rank,) if shards is None else shards:
+                self.transfers[r] = PageTransfer(self.namespaces[r], self.engine, threads=cfg.io_threads,
+                                                 stats_flush_seconds=cfg.stats_flush_seconds, auth_key=auth_key)
+            self.transfer = self.transfers.get(spec.tp_rank)
         log.info("gdskv: service for %r shard %d/%d on namespace %s in %s%s", spec.model, spec.tp_rank, spec.tp_size,
                  self.namespace.id, cfg.store_path,
-                 f" (I/O: {self.transfer.engine.describe()})" if self.transfer is not None else " (lookups only)")
+                 f" (I/O: {self.engine.describe()})" if self.engine is not None else " (lookups only)")
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -210,27 +228,32 @@ class KvService:
     def register_memory(self, tensors: Sequence[Any]) -> int:
         """Register the engine's page memory with the I/O engine once, at bring-up (cuFile buffer
         registration under GDS; a no-op elsewhere); how many allocations were registered."""
-        return self.transfer.engine.register_buffers(tensors) if self.transfer is not None else 0
+        return self.engine.register_buffers(tensors) if self.transfers and self.engine is not None else 0
 
-    def load(self, group: int, key: bytes, segments: Sequence[Any], ready: Optional[Any] = None) -> Optional["Future[LoadStatus]"]:
-        """Read ``key``'s chunk of this shard into a page's ``segments`` and verify it; the
-        future's result is ``LoadStatus.LOADED`` only when the page holds exactly that KV. None
-        when the service has no transfers (inactive store): the caller recomputes."""
-        if self.transfer is None:
+    def load(self, group: int, key: bytes, segments: Sequence[Any], ready: Optional[Any] = None,
+             shard: Optional[int] = None) -> Optional["Future[LoadStatus]"]:
+        """Read ``key``'s chunk of this shard (or of ``shard``, one of ``shards``) into a page's
+        ``segments`` and verify it; the future's result is ``LoadStatus.LOADED`` only when the
+        page holds exactly that KV. None when the service has no transfers (inactive store): the
+        caller recomputes."""
+        transfer = self.transfers.get(self.spec.tp_rank if shard is None else shard)
+        if transfer is None:
             return None
-        fut = self.transfer.load_page(group, key, segments, ready=ready)
+        fut = transfer.load_page(group, key, segments, ready=ready)
         nbytes = self.bytes_per_page(group)
         self._posted(loads_posted=1)
         return _counted(fut, lambda f: self._loaded(f, nbytes))
 
     def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
-             ready: Optional[Any] = None) -> Optional["Future[SaveStatus]"]:
-        """Publish a page of this shard under ``key`` (``parent``: the previous block's key, or
-        None for block 0) unless it is stored already. The caller keeps the page unchanged until
-        the future resolves. None when the service has no transfers."""
-        if self.transfer is None:
+             ready: Optional[Any] = None, shard: Optional[int] = None) -> Optional["Future[SaveStatus]"]:
+        """Publish a page of this shard (or of ``shard``, one of ``shards``) under ``key``
+        (``parent``: the previous block's key, or None for block 0) unless it is stored already.
+        The caller keeps the page unchanged until the future resolves. None when the service has
+        no transfers."""
+        transfer = self.transfers.get(self.spec.tp_rank if shard is None else shard)
+        if transfer is None:
             return None
-        fut = self.transfer.save_page(group, key, parent, segments, ready=ready)
+        fut = transfer.save_page(group, key, parent, segments, ready=ready)
         nbytes = self.bytes_per_page(group)
         self._posted(saves_posted=1)
         return _counted(fut, lambda f: self._saved(f, nbytes))
@@ -293,12 +316,60 @@ class KvService:
         self.store.flush_stats()
 
     def close(self) -> None:
-        """Wait for in-flight transfers, write the counters, close the I/O engine. Idempotent."""
-        if self.transfer is not None:
-            transfer, self.transfer = self.transfer, None
-            transfer.close()
-            transfer.engine.close()
+        """Wait for in-flight transfers, write the counters, close the I/O engine (when the
+        service made it). Idempotent."""
+        if self.transfers:
+            transfers, self.transfers, self.transfer = list(self.transfers.values()), {}, None
+            for transfer in transfers:
+                transfer.close()
+            if self._owns_engine and self.engine is not None:
+                self.engine.close()
         self.flush_stats(force=True)
+
+    # -- engines that name blocks themselves (MAX) ------------------------------------------------
+    def held(self, group: int, keys: Sequence[bytes], shard: int, lease: bool = False) -> list[bool]:
+        """For each key, whether TP shard ``shard``'s chunk of it (layer group ``group``) is in the
+        store; with ``lease``, also leased to a load that follows (``lease_seconds``, respected by
+        eviction in any process; False when the chunk was gone by then). For an engine that
+        combines shards itself (``gdskv.planner.held_everywhere``): a replicated leaf is stored
+        on shard 0 alone."""
+        if not self.active or not keys:
+            return [False] * len(keys)
+        ns = self.namespaces[shard]
+        if lease:
+            return ns.lease_many(group, list(keys), lease_seconds=self.lease_seconds)
+        return ns.contains_many(group, keys)
+
+    def touch(self, group: int, keys: Sequence[bytes], shard: int) -> int:
+        """Refresh the recency of ``keys``' chunks of shard ``shard`` (root first: give the run in
+        prefix order); missing keys are skipped. How many chunks were touched."""
+        return self.namespaces[shard].touch_many(group, keys) if self.active else 0
+
+
+class Lineage:
+    """Recent ``block key -> parent key`` links, for an engine that names its blocks itself and
+    hands the service runs of them (MAX: root-anchored runs in ``lookup`` / ``touch``, offload
+    runs whose first block comes with no parent). Learnt from each run; bounded (the least
+    recently learnt link is forgotten first); thread-safe. ``KvService.lineage`` is one."""
+
+    def __init__(self, capacity: int = LINEAGE_CAPACITY) -> None:
+        self._parent: OrderedDict[bytes, bytes] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def learn(self, run: Sequence[bytes]) -> None:
+        """Each key of ``run`` (in prefix order) is the parent of the next."""
+        with self._lock:
+            for parent, child in zip(run, run[1:]):
+                self._parent[child] = parent
+                self._parent.move_to_end(child)
+            while len(self._parent) > self._capacity:
+                self._parent.popitem(last=False)
+
+    def parent_of(self, key: bytes) -> Optional[bytes]:
+        """The parent last learnt for ``key``, or None."""
+        with self._lock:
+            return self._parent.get(key)
 
 
 def _counted(fut: Future, count: Callable[[Future], None]) -> Future:

@@ -20,8 +20,9 @@ import torch
 from gdskv import format as fmt
 from gdskv.config import ConfigError, GdsKvConfig
 from gdskv.connectors import max as gmax
+from gdskv.connectors.max import lookups as max_lookups
 from gdskv.connectors.max import GdsKvConnector, GdsKvLookup, LeafMemory, model_from_argv, model_identity
-from gdskv.connectors.max_types import (
+from gdskv.connectors.max.types import (
     MAX_AVAILABLE,
     ByteCount,
     CompletedTransfer,
@@ -485,15 +486,15 @@ def test_abandon_before_the_answer_leaves_nothing_pinned(store_path):
     try:
         r.offload({"full": [0]}, [h8(0)])
         gate = threading.Event()
-        real = r.conn._presence
-        r.conn._presence = lambda keys: (gate.wait(10), real(keys))[1]  # a slow round trip
+        real = r.conn._lookups.masks
+        r.conn._lookups.masks = lambda keys, lease=False: (gate.wait(10), real(keys, lease))[1]  # a slow round trip
         handle = r.conn.start_lookup([h8(0)])
         assert not handle.is_complete()
         r.conn.abandon_lookup(handle)
         gate.set()
         wait_for(handle.is_complete)
         assert handle.result() == {"full": [True]} and handle.pinned == 0
-        assert sum(r.conn._store.budget._pins.values()) == 0
+        assert sum(r.conn.service.store.budget._pins.values()) == 0
     finally:
         r.conn.shutdown()
 
@@ -509,7 +510,7 @@ def test_load_lookup_consumes_the_handle(store_path):
         t = r.conn.load_lookup(handle, {"full": [8, 9]}, {"full": hashes[1:]})
         assert handle.pinned == 0
         assert poll(t) and torch.equal(r.page("full", 9), r.page("full", 2))
-        assert sum(r.conn._store.budget._pins.values()) == 0
+        assert sum(r.conn.service.store.budget._pins.values()) == 0
         failed = r.conn.start_lookup(hashes)
         wait_for(failed.is_complete)
         os.unlink(r.chunk("full", hashes[0]))
@@ -522,7 +523,7 @@ def test_load_lookup_consumes_the_handle(store_path):
 
 def test_unclaimed_lookup_lease_expires_on_poll(store_path, monkeypatch):
     """A connector that keeps state between lookup and load bounds it itself."""
-    monkeypatch.setattr(gmax, "LOOKUP_LEASE_SECONDS", 0.0)
+    monkeypatch.setattr(max_lookups, "LOOKUP_LEASE_SECONDS", 0.0)
     r = Rig(store_path, max_bytes=1 << 20)
     try:
         r.offload({"full": [0]}, [h8(0)])
@@ -535,6 +536,66 @@ def test_unclaimed_lookup_lease_expires_on_poll(store_path, monkeypatch):
         r.conn.shutdown()
 
 
+@pytest.mark.parametrize("deferred", [True, False], ids=["start_lookup", "lookup"])
+def test_what_start_lookup_found_is_not_evicted_before_the_load(store_path, deferred):
+    """A connector that keeps state between lookup and load stays correct: the blocks a
+    start_lookup found are leased in the store, so no process's eviction (here another
+    connector's byte budget on the same store) removes them before load_lookup; a plain lookup
+    holds nothing, and the same eviction takes them."""
+    chunk = BPP + 128
+    a = Rig(store_path)
+    old = [h8(i) for i in range(4)]
+    a.offload({"full": [0, 1, 2, 3]}, old)
+    handle = a.conn.start_lookup(old) if deferred else None
+    if deferred:
+        wait_for(handle.is_complete)
+        assert handle.result() == {"full": [True] * 4} and handle.pinned == 4
+    else:
+        assert a.conn.lookup(old) == {"full": [True] * 4}
+    other = Rig(store_path, max_bytes=4 * chunk)  # another process, its budget full
+    try:
+        time.sleep(0.02)
+        other.offload({"full": [4, 5, 6, 7]}, [h8(100 + i) for i in range(4)])
+        dropped = other.conn.take_metrics().connector_offload_blocks_dropped
+        if not deferred:
+            assert dropped < 4 and not all(a.conn.lookup(old)["full"])
+            return
+        assert dropped == 4 and all(a.conn.lookup(old)["full"])
+        t = a.conn.load_lookup(handle, {"full": [8, 9, 10, 11]}, {"full": old})
+        assert poll(t) and all(torch.equal(a.page("full", 8 + i), a.page("full", i)) for i in range(4))
+        assert handle.pinned == 0
+    finally:
+        other.conn.shutdown()
+        a.conn.shutdown()
+
+
+def test_chunks_a_load_waits_to_read_are_not_evicted_meanwhile(store_path):
+    """load leases every chunk before it posts the reads, so eviction in another process leaves
+    them alone while the reads wait (a slow disk)."""
+    eng = GatedEngine()
+    eng.gate.set()
+    a = Rig(store_path, engine=eng)
+    other = None
+    try:
+        hashes = [h8(i) for i in range(4)]
+        a.offload({"full": [0, 1, 2, 3]}, hashes)
+        eng.gate.clear()
+        t = a.conn.load({"full": [8, 9, 10, 11]}, {"full": hashes})
+        other = Rig(store_path, max_bytes=4 * (BPP + 128))
+        time.sleep(0.02)
+        other.offload({"full": [4, 5, 6, 7]}, [h8(100 + i) for i in range(4)])
+        assert other.conn.take_metrics().connector_offload_blocks_dropped == 4
+        assert all(a.conn.lookup(hashes)["full"])
+        eng.gate.set()
+        assert poll(t) and all(torch.equal(a.page("full", 8 + i), a.page("full", i)) for i in range(4))
+    finally:
+        eng.gate.set()
+        if other is not None:
+            other.conn.shutdown()
+        a.conn.shutdown()
+        eng.close()
+
+
 def test_probe_answers_per_replica_without_taking_anything(store_path):
     """One answer per replica, shaped as lookup's, read without the pins a lookup takes."""
     r = Rig(store_path, replicas=2, max_bytes=1 << 20)
@@ -544,7 +605,7 @@ def test_probe_answers_per_replica_without_taking_anything(store_path):
         answers = r.conn.probe(hashes, [0, 1])
         assert len(answers) == 2
         assert all(a == {"full": [True, False]} for a in answers)
-        assert sum(r.conn._store.budget._pins.values()) == 0
+        assert sum(r.conn.service.store.budget._pins.values()) == 0
     finally:
         r.conn.shutdown()
 

@@ -32,7 +32,7 @@ from gdskv import streams
 from gdskv.config import GdsKvConfig
 from gdskv.connectors import max as gmax
 from gdskv.connectors.max import GdsKvConnector, LeafMemory
-from gdskv.connectors.max_types import KVCacheGroupId
+from gdskv.connectors.max.types import KVCacheGroupId
 from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
 from gdskv.engine.requests import RequestData, SchedulerOutput
 from gdskv.io.posix import PosixEngine
@@ -394,7 +394,7 @@ def max_offload_scenario(store: str, monkeypatch, drop: bool) -> None:
     fake = FakeOrdering()
     rig = MaxRig(store, fake, seed=5)
     if drop:
-        drop_readiness(monkeypatch, rig.conn._xfers[0])
+        drop_readiness(monkeypatch, rig.conn.service.transfers[0])
     try:
         with streams.use(fake):
             t = rig.conn.offload({"full": [0, 1, 2, 3]}, {"full": KEYS})
@@ -419,7 +419,7 @@ def max_load_scenario(store: str, monkeypatch, drop: bool) -> None:
     fake = FakeOrdering()
     rig = MaxRig(store, fake, seed=7)
     if drop:
-        drop_readiness(monkeypatch, rig.conn._xfers[0])
+        drop_readiness(monkeypatch, rig.conn.service.transfers[0])
     try:
         before = rig.pages.clone()
         with streams.use(fake):

@@ -22,10 +22,14 @@ from gdskv.planner import (
     StepReport,
     contiguous_hits,
     first_live_block,
+    held_everywhere,
     max_servable_blocks,
     new_request,
     plan_lookup,
+    plan_offload,
     plan_step,
+    shard_routes,
+    store_shards,
 )
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -339,3 +343,59 @@ def test_metadata_is_picklable_and_lists_ops_per_group():
     assert [(rid, op.page_slot) for rid, op in back.saves_of_group(0)] == [(3, 4), (3, 5)]
     assert [(rid, op.page_slot) for rid, op in back.saves_of_group(1)] == [(3, 6)]
     assert back.saves_of_group(0)[0][1].key == chain_keys(list(range(8)), 4, "salt")[0]
+
+
+# --- engines that name their blocks themselves (MAX) ---------------------------------------------
+
+def test_a_replicated_leaf_is_stored_on_shard_0_and_loaded_into_every_shard():
+    assert list(store_shards(4, False)) == [0, 1, 2, 3]
+    assert list(store_shards(4, True)) == [0]
+    assert [(src, list(dst)) for src, dst in shard_routes(3, False)] == [(0, [0]), (1, [1]), (2, [2])]
+    assert [(src, list(dst)) for src, dst in shard_routes(3, True)] == [(0, [0, 1, 2])]
+    assert [(src, list(dst)) for src, dst in shard_routes(1, False)] == [(0, [0])]
+
+
+class _Holder:
+    """One shard's chunks; records what it was asked."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys, self.asked = keys, []
+
+    def __call__(self, keys):
+        self.asked.append(list(keys))
+        return [k in self.keys for k in keys]
+
+
+def test_a_lookup_promises_only_what_every_shard_holds_positionally():
+    keys = [bytes([i]) * 8 for i in range(5)]
+    shard0, shard1 = _Holder({keys[0], keys[1], keys[3], keys[4]}), _Holder({keys[0], keys[3], keys[2]})
+    assert held_everywhere(keys, [shard0, shard1]) == [True, False, False, True, False]
+    assert shard1.asked == [[keys[0], keys[1], keys[3], keys[4]]]  # only what shard 0 holds
+    assert held_everywhere(keys, []) == [False] * 5  # no holder: nothing is promised
+    assert held_everywhere([], [shard0]) == []
+    nothing = _Holder(set())
+    after = _Holder(set(keys))
+    assert held_everywhere(keys, [nothing, after]) == [False] * 5 and after.asked == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=4))
+def test_held_everywhere_is_the_and_over_holders(masks):
+    keys = [bytes([i]) * 8 for i in range(6)]
+    holders = [_Holder({k for k, m in zip(keys, mask) if m}) for mask in masks]
+    assert held_everywhere(keys, holders) == [all(m[i] for m in masks) for i in range(6)]
+
+
+def test_an_offload_skips_stored_blocks_and_chains_each_to_the_block_before_it():
+    a, b, c, d = (bytes([i]) * 8 for i in range(4))
+    assert plan_offload([a, b, c, d], [False] * 4, None) == [(0, None), (1, a), (2, b), (3, c)]
+    # a stored block is skipped but still parents the next; the run's first block takes the
+    # parent the engine showed earlier (lineage)
+    z = b"z" * 8
+    assert plan_offload([a, b, c, d], [True, False, True, False], z) == [(1, a), (3, c)]
+    assert plan_offload([a, b], [False, False], z) == [(0, z), (1, a)]
+    assert plan_offload([a, b], [True, True], z) == []
+    # a recurrent leaf's checkpoints are not a chain: no parents
+    assert plan_offload([a, b], [False, False], z, chained=False) == [(0, None), (1, None)]
+    with pytest.raises(ValueError, match="2 keys but 1 stored"):
+        plan_offload([a, b], [False], None)

@@ -7,7 +7,7 @@ small local classes stand in, written from the public KVConnector spec: the same
 same constructor arguments, the same fields for what gdskv uses. (``start_lookup``'s handle is
 gdskv's own ``GdsKvLookup``: MAX 26.7 defines no ``KVLookup`` type.)
 
-``MAX_AVAILABLE`` says which world this is. Imported by ``gdskv.connectors.max`` and the tests.
+``MAX_AVAILABLE`` says which world this is. Imported by the package's other modules and the tests.
 """
 from __future__ import annotations
 
