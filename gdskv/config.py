@@ -119,6 +119,12 @@ class GdsKvConfig:
     file_mode: int = DEFAULT_FILE_MODE
     auth_key_file: Optional[str] = None
     auth_key_env: Optional[str] = None
+    window_aware: bool = False
+    """Window-aware serving for sliding-window layer groups (TensorRT-LLM connector): a sliding
+    group needs only the blocks inside its window before the served length, so the served prefix
+    may run past the smallest window; it also saves only those (bytes per request bounded by the
+    window). False: the spec's smallest-window rule (the prefix stops at the first block any group
+    misses)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -141,6 +147,8 @@ class GdsKvConfig:
             raise bad("o_direct", f"must be one of {', '.join(O_DIRECT_MODES)} (or true/false), got {self.o_direct!r}")
         if not isinstance(self.fsync, bool):
             raise bad("fsync", f"must be true or false, got {self.fsync!r}")
+        if not isinstance(self.window_aware, bool):
+            raise bad("window_aware", f"must be true or false, got {self.window_aware!r}")
         for key in ("kvikio_task_size", "max_bytes", "min_free_bytes"):
             v = getattr(self, key)
             if v is None:

@@ -345,8 +345,14 @@ def plan_step(
     first: bool,
     windows: Sequence[Optional[int]],
     stored: StoredFn,
+    window_aware: bool = False,
 ) -> RequestPlan:
     """Fold a step's report into ``state`` and plan its loads and saves.
+
+    With ``window_aware`` (the lookup was ``plan_lookup_window_aware``) a sliding group loads only
+    the promised blocks inside its window before the promise's end (``window_blocks``), and saves
+    the blocks this step completes from ``window_keep_from`` on, whether or not the window has
+    passed them by the end of the step (their pages are still held during it).
 
     ``first`` is whether the report came in ``new_requests``. ``windows[g]`` is layer group
     ``g``'s attention window (``None`` = full attention).
@@ -364,26 +370,29 @@ def plan_step(
     tpb = state.tokens_per_block
     loads: dict[int, tuple[PageOp, ...]] = {}
     if first and state.promised[1] > state.promised[0]:
-        loads = _plan_loads(state)  # under the keys the lookup found them by
+        loads = _plan_loads(state, windows if window_aware else None)  # under the keys the lookup found them by
     if first:
         state.adopt_salt(report.cache_salt)
     end = min(report.computed_position + report.num_scheduled_tokens, len(state.tokens))
     state.kv_end = end
     live_from = [first_live_block(end, w, tpb) for w in windows]
-    saves = _plan_saves(state, end // tpb, live_from, stored)
+    save_from = [window_keep_from(len(state.tokens), w, tpb) for w in windows] if window_aware else live_from
+    saves = _plan_saves(state, end // tpb, save_from, stored)
     for g, first_live in enumerate(live_from):
         if first_live:  # 0 for full attention: nothing to forget
             state.forget_before(g, first_live)
     return RequestPlan(report.request_id, loads, saves)
 
 
-def _plan_loads(state: RequestState) -> dict[int, tuple[PageOp, ...]]:
+def _plan_loads(state: RequestState, windows: Optional[Sequence[Optional[int]]] = None) -> dict[int, tuple[PageOp, ...]]:
     """Loads of the promised blocks into the pages known now, per group; blocks a group has no
-    page for are not needed by the engine there. (``_plan_saves`` never saves a promised block.)"""
+    page for are not needed by the engine there. (``_plan_saves`` never saves a promised block.)
+    With ``windows`` (window-aware serving) a group loads only ``window_blocks`` of the promise."""
     first, end = state.promised
     loads = {}
     for g in range(state.num_groups):
-        ops = tuple(state.op(g, o) for o in range(first, end) if o in state.pages[g])
+        wanted = range(first, end) if windows is None else window_blocks(end, windows[g], state.tokens_per_block, first)
+        ops = tuple(state.op(g, o) for o in wanted if o in state.pages[g])
         if ops:
             loads[g] = ops
     return loads
@@ -480,3 +489,79 @@ def plan_offload(keys: Sequence[bytes], stored: Sequence[bool], first_parent: Op
         raise ValueError(f"{len(keys)} keys but {len(stored)} stored flags")
     return [(i, (keys[i - 1] if i else first_parent) if chained else None)
             for i, there in enumerate(stored) if not there]
+
+
+# --- window-aware serving (opt-in: ``window_aware = true``) ------------------------------------------
+#
+# The default lookup stops at the first block ANY layer group misses, so a sliding group (which
+# keeps only its window) bounds the served prefix by the smallest window. A sliding group with
+# window W needs, to resume computing at token L, only the pages holding tokens [L - W, L): a query
+# at position p >= L attends to [p - W + 1, p]. With the option on, the served prefix is the
+# largest block boundary L such that every full-attention group holds every block below L and
+# every sliding group holds the blocks intersecting [L - W, L); loads fill only those pages, and a
+# sliding group saves only blocks some later lookup of this request's tokens could need.
+
+def window_blocks(end_block: int, window: Optional[int], tokens_per_block: int, first: int = 0) -> range:
+    """Block ordinals (from ``first``) a layer group needs in its pages so that computation can
+    resume exactly at token ``L = end_block * tokens_per_block``: every ordinal below
+    ``end_block`` under full attention (``window`` None), else those intersecting ``[L - W, L)``
+    (the first holds token ``max(0, L - W)``, W need not be a multiple of the block size)."""
+    if window is None:
+        return range(first, max(first, end_block))
+    lo = max(0, end_block * tokens_per_block - window) // tokens_per_block
+    return range(max(first, lo), max(first, end_block))
+
+
+def plan_lookup_window_aware(
+    tokens: Sequence[int],
+    cache_salt: Salt,
+    tokens_per_block: int,
+    num_computed_tokens: int,
+    windows: Sequence[Optional[int]],
+    stored: StoredFn,
+) -> Lookup:
+    """``plan_lookup`` with window-aware serving: blocks ``[first, end)`` where ``end`` is the
+    largest ordinal (at most ``max_servable_blocks``) such that every group ``g`` (index into
+    ``windows``, as ``stored`` is asked) holds ``window_blocks(end, windows[g], ...)``. Full
+    attention groups bound ``end`` by their contiguous run; a sliding group may miss blocks before
+    its window. Without a sliding group this is ``plan_lookup``."""
+    keys = tuple(chain_keys(tokens, tokens_per_block, cache_salt))
+    limit = max_servable_blocks(len(tokens), tokens_per_block)
+    first = num_computed_tokens // tokens_per_block
+    none = Lookup(keys, first, first, num_computed_tokens, tokens_per_block)
+    if num_computed_tokens % tokens_per_block or first >= limit:
+        return none
+    end = limit
+    for g, w in enumerate(windows):  # full attention: the contiguous run bounds the prefix
+        if w is None:
+            end = contiguous_hits([stored(g, keys[first:end])], first)
+            if end == first:
+                return none
+    sliding = [g for g, w in enumerate(windows) if w is not None]
+    if not sliding:
+        return Lookup(keys, first, end, num_computed_tokens, tokens_per_block)
+    # ask each sliding group only about blocks some candidate end could need
+    base = {g: window_blocks(first + 1, windows[g], tokens_per_block, first).start for g in sliding}
+    present = {g: stored(g, keys[base[g]:end]) for g in sliding}
+    for b in range(end, first, -1):
+        if all(all(present[g][o - base[g]] for o in window_blocks(b, windows[g], tokens_per_block, first)) for g in sliding):
+            return Lookup(keys, first, b, num_computed_tokens, tokens_per_block)
+    return none
+
+
+def lookup_needs(lookup: Lookup, windows: Sequence[Optional[int]]) -> list[range]:
+    """Per group index: the block ordinals a window-aware lookup's promise loads (and leases)."""
+    tpb = lookup.tokens_per_block
+    if lookup.end_block <= lookup.first_block:
+        return [range(0) for _ in windows]
+    return [window_blocks(lookup.end_block, w, tpb, lookup.first_block) for w in windows]
+
+
+def window_keep_from(num_tokens: int, window: Optional[int], tokens_per_block: int) -> int:
+    """First block ordinal a sliding group saves under window-aware serving, for a request of
+    ``num_tokens`` tokens: the first block a lookup of these tokens (served up to
+    ``max_servable_blocks``) or of any longer prompt sharing them could need. A block before it
+    ends at least W tokens before the request's last full block. 0 for full attention."""
+    if window is None:
+        return 0
+    return window_blocks(max_servable_blocks(num_tokens, tokens_per_block), window, tokens_per_block).start

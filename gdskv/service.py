@@ -40,7 +40,7 @@ from gdskv.eviction import install_budget
 from gdskv.garbage import collect_in_background
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
-from gdskv.planner import Lookup, Salt, contiguous_hits, plan_lookup
+from gdskv.planner import Lookup, Salt, contiguous_hits, lookup_needs, plan_lookup, plan_lookup_window_aware
 from gdskv.store import Namespace, NamespaceSpec, PageStore, StoreError
 from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
 
@@ -177,14 +177,23 @@ class KvService:
     def _stored_dense(self, index: int, keys: Sequence[bytes]) -> list[bool]:
         return self.stored(self.group_ids[index], keys)
 
-    def lookup(self, tokens: Sequence[int], cache_salt: Salt, num_computed_tokens: int = 0) -> Lookup:
+    def lookup(self, tokens: Sequence[int], cache_salt: Salt, num_computed_tokens: int = 0,
+               window_aware: bool = False) -> Lookup:
         """How many of ``tokens`` beyond the ``num_computed_tokens`` the engine holds the store
         serves (``Lookup.num_new_tokens``; full blocks only, never the last token), with every
-        served chunk of every group and shard leased. Planned again, once, when a lease fails."""
+        served chunk of every group and shard leased. Planned again, once, when a lease fails.
+        ``window_aware``: ``plan_lookup_window_aware`` (a sliding group needs, and leases, only
+        the blocks inside its window before the served length)."""
         for attempt in (0, 1):
-            found = plan_lookup(tokens, cache_salt, self.tokens_per_block, num_computed_tokens, len(self.group_ids),
-                                self._stored_dense)
-            if self.lease(found.keys[found.first_block:found.end_block]):
+            if window_aware:
+                found = plan_lookup_window_aware(tokens, cache_salt, self.tokens_per_block, num_computed_tokens,
+                                                 self.windows, self._stored_dense)
+                leased = self.lease_per_group([[found.keys[o] for o in r] for r in lookup_needs(found, self.windows)])
+            else:
+                found = plan_lookup(tokens, cache_salt, self.tokens_per_block, num_computed_tokens, len(self.group_ids),
+                                    self._stored_dense)
+                leased = self.lease(found.keys[found.first_block:found.end_block])
+            if leased:
                 break
             self._count(lease_replans=1)
             if attempt:  # the second plan's lease failed too: promise nothing rather than a miss
@@ -212,6 +221,15 @@ class KvService:
                 return end
             self._count(lease_replans=1)
         return first_block
+
+    def lease_per_group(self, keys_by_group: Sequence[Sequence[bytes]]) -> bool:
+        """Like ``lease``, with keys per group (index into ``group_ids``); False when one was gone."""
+        ok = True
+        for ns in self.namespaces:
+            for g, keys in zip(self.group_ids, keys_by_group):
+                if keys:
+                    ok = all(ns.lease_many(g, list(keys), lease_seconds=self.lease_seconds)) and ok
+        return ok
 
     def lease(self, keys: Sequence[bytes]) -> bool:
         """Lease ``keys``' chunks (every group, every shard) to the load that follows; False when

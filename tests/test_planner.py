@@ -399,3 +399,147 @@ def test_an_offload_skips_stored_blocks_and_chains_each_to_the_block_before_it()
     assert plan_offload([a, b], [False, False], z, chained=False) == [(0, None), (1, None)]
     with pytest.raises(ValueError, match="2 keys but 1 stored"):
         plan_offload([a, b], [False], None)
+
+
+# --- window-aware serving (opt-in) ------------------------------------------------------------------
+
+from gdskv.planner import lookup_needs, plan_lookup_window_aware, window_blocks, window_keep_from  # noqa: E402
+
+
+@given(end_block=st.integers(0, 40), window=st.one_of(st.none(), st.integers(1, 64)), tpb=st.integers(1, 16),
+       first=st.integers(0, 40))
+def test_window_blocks_are_the_blocks_intersecting_the_window_before_the_served_length(end_block, window, tpb, first):
+    L = end_block * tpb
+    lo = 0 if window is None else max(0, L - window)
+    expected = [o for o in range(first, end_block) if (o + 1) * tpb > lo]  # block o holds [o*tpb, (o+1)*tpb)
+    assert list(window_blocks(end_block, window, tpb, first)) == expected
+
+
+def test_window_blocks_edge_cases():
+    assert window_blocks(9, 8, 4) == range(7, 9), "L=36, W=8: tokens 28..35, a block boundary"
+    assert window_blocks(9, 14, 4) == range(5, 9), "W not a multiple of the block: block 5 holds token 22"
+    assert window_blocks(9, 9, 4) == range(6, 9), "one token past a boundary pulls in the block before"
+    assert window_blocks(2, 8, 4) == range(0, 2), "L == W: every block"
+    assert window_blocks(1, 8, 4) == range(0, 1), "L < W: every block"
+    assert window_blocks(9, 8, 4, first=8) == range(8, 9), "blocks below first are on the device"
+    assert window_blocks(9, None, 4, first=2) == range(2, 9)
+    assert window_blocks(0, 8, 4) == range(0)
+
+
+def _held_blocks(prompt: list[int], tpb: int, blocks_by_group: dict[int, list[int]]) -> dict[int, set[bytes]]:
+    keys = chain_keys(prompt, tpb)
+    return {g: {keys[o] for o in blocks} for g, blocks in blocks_by_group.items()}
+
+
+P39 = list(range(39))  # 9 full blocks + 3 tokens: at most 9 blocks (36 tokens) served
+
+
+@pytest.mark.parametrize("sliding_holds,served", [
+    ([7, 8], 36),                           # only the window tail before 36: served past the window
+    ([0, 1, 2, 3, 5, 7, 8], 36),            # a middle block missing outside the window does not matter
+    ([0, 1, 2, 3, 5, 6, 7], 32),            # block 8 missing: 32 needs 6, 7
+    ([0, 1, 2, 3, 5, 7], 16),               # 36 needs 8, 32 needs 6, ..., 16 needs 2, 3
+    ([8], 0),                               # every candidate misses a block of its window
+])
+def test_window_aware_lookup_serves_the_largest_length_every_group_can(sliding_holds, served):
+    held = _held_blocks(P39, 4, {0: sliding_holds, 1: list(range(9))})
+    found = plan_lookup_window_aware(P39, None, 4, 0, [8, None], stored_in(held))
+    assert found.num_new_tokens == served and found.first_block == 0
+    # the default is unchanged: the smallest-window rule stops at the first block group 0 misses
+    default = plan_lookup(P39, None, 4, 0, 2, stored_in(held))
+    assert default.end_block == contiguous_hits([[o in sliding_holds for o in range(9)]])
+    if served:
+        assert lookup_needs(found, [8, None]) == [window_blocks(found.end_block, 8, 4), range(0, found.end_block)]
+
+
+def test_window_aware_lookup_full_group_missing_a_middle_block_bounds_the_prefix():
+    held = _held_blocks(P39, 4, {0: list(range(9)), 1: [0, 1, 2, 3, 5, 6, 7, 8], 2: list(range(9))})
+    found = plan_lookup_window_aware(P39, None, 4, 0, [14, None, 6], stored_in(held))
+    assert found.end_block == 4
+    # window 14 at L=16 needs blocks 0..3 (token 2 on), window 6 only blocks 2..3 (token 10 on)
+    held = _held_blocks(P39, 4, {0: [0, 1, 2, 3], 1: list(range(9)), 2: [1, 2, 3]})
+    assert plan_lookup_window_aware(P39, None, 4, 0, [14, None, 6], stored_in(held)).end_block == 4
+    assert plan_lookup(P39, None, 4, 0, 3, stored_in(held)).end_block == 0
+
+
+def test_window_aware_lookup_after_a_device_prefix_and_never_the_whole_prompt():
+    held = _held_blocks(P39, 4, {0: [8], 1: list(range(2, 9))})
+    found = plan_lookup_window_aware(P39, None, 4, 8, [4, None], stored_in(held))
+    assert (found.first_block, found.end_block, found.num_new_tokens) == (2, 9, 28)
+    assert plan_lookup_window_aware(P39, None, 4, 6, [4, None], stored_in(held)).num_new_tokens == 0
+    p36 = P39[:36]
+    everything = _held_blocks(p36, 4, {0: list(range(9)), 1: list(range(9))})
+    assert plan_lookup_window_aware(p36, None, 4, 0, [4, None], stored_in(everything)).end_block == 8
+
+
+@SETTINGS
+@given(n=st.integers(1, 40), tpb=st.integers(1, 5), windows=st.lists(st.one_of(st.none(), st.integers(1, 20)), min_size=1, max_size=3),
+       data=st.data())
+def test_window_aware_lookup_is_the_largest_valid_length_and_at_least_the_default(n, tpb, windows, data):
+    prompt = list(range(n))
+    blocks = n // tpb
+    masks = [data.draw(st.lists(st.booleans(), min_size=blocks, max_size=blocks)) for _ in windows]
+    held = _held_blocks(prompt, tpb, {g: [o for o, m in enumerate(mask) if m] for g, mask in enumerate(masks)})
+    found = plan_lookup_window_aware(prompt, None, tpb, 0, windows, stored_in(held))
+    valid = [b for b in range(1, max_servable_blocks(n, tpb) + 1)
+             if all(all(masks[g][o] for o in window_blocks(b, w, tpb)) for g, w in enumerate(windows))]
+    assert found.end_block == max(valid, default=0)
+    assert found.end_block >= plan_lookup(prompt, None, tpb, 0, len(windows), stored_in(held)).end_block
+    if all(w is None for w in windows):
+        assert found == plan_lookup(prompt, None, tpb, 0, len(windows), stored_in(held))
+
+
+def _run_window_aware(sim: _Sim, held: dict[int, set[bytes]], lookup=None):
+    state = new_request(7, sim.prompt, None, sim.tpb, len(sim.windows), lookup)
+    out = []
+    for report, first, end in sim.steps():
+        plan = plan_step(state, report, first, sim.windows, stored_in(held), window_aware=True)
+        for g, ops in plan.saves.items():
+            held.setdefault(g, set()).update(op.key for op in ops)
+        out.append((end, plan, [list(ids) for ids in sim.pages], len(sim.tokens)))
+    return out
+
+
+@SETTINGS
+@given(shape=sim_st, window=st.integers(1, 24))
+def test_window_aware_saves_only_the_window_tail_of_a_sliding_group(shape, window):
+    n, tpb, chunk, gen = shape
+    sim = _Sim(list(range(n)), tpb, chunk, [window, None], gen)
+    held: dict[int, set[bytes]] = {}
+    steps = _run_window_aware(sim, held)
+    keys = chain_keys(sim.tokens, tpb)
+    for end, plan, pages, num_tokens in steps:
+        for op in plan.saves.get(0, ()):
+            o = keys.index(op.key)
+            assert o >= window_keep_from(num_tokens, window, tpb)
+            assert (o + 1) * tpb > max_servable_blocks(num_tokens, tpb) * tpb - window, "inside the window before the last servable boundary"
+            assert pages[0][o] == op.page_slot != BAD_PAGE_INDEX and (o + 1) * tpb <= end
+    # the full group is unaffected: every completed block
+    assert sorted(keys.index(k) for k in held.get(1, ())) == list(range(steps[-1][0] // tpb))
+    if gen == 1 and chunk >= n:  # a single pass: the sliding group's bytes are bounded by the window
+        assert len(held.get(0, ())) <= -(-window // tpb) + 2
+
+
+def test_window_aware_single_pass_saves_what_a_later_lookup_needs_and_serves_it_back():
+    sim = _Sim(P39, 4, 64, [8, 14, None], gen=1)
+    held: dict[int, set[bytes]] = {}
+    _run_window_aware(sim, held)
+    keys = chain_keys(P39, 4)
+    assert sorted(keys.index(k) for k in held[0]) == [7, 8], "block 7 passes the window at 39 but 36 needs it"
+    assert sorted(keys.index(k) for k in held[1]) == [5, 6, 7, 8]
+    assert sorted(keys.index(k) for k in held[2]) == list(range(9))
+    assert plan_lookup(P39, None, 4, 0, 3, stored_in(held)).num_new_tokens == 0, "default: smallest-window rule"
+    found = plan_lookup_window_aware(P39, None, 4, 0, [8, 14, None], stored_in(held))
+    assert found.num_new_tokens == 36
+    # the loads fill only each sliding group's window pages; nothing promised is saved back
+    pages = [list(range(10, 20)), list(range(20, 30)), list(range(30, 40))]
+    state = new_request(7, P39, None, 4, 3, found)
+    state.record_alloc(pages)
+    plan = plan_step(state, StepReport(7, P39, pages, 0, 3), True, [8, 14, None], stored_in(held), window_aware=True)
+    assert {g: [keys.index(op.key) for op in ops] for g, ops in plan.loads.items()} == {0: [7, 8], 1: [5, 6, 7, 8], 2: list(range(9))}
+    assert not plan.saves
+    # window_aware=False keeps the old loads: every promised block with a page
+    state = new_request(7, P39, None, 4, 3, found)
+    state.record_alloc(pages)
+    plan = plan_step(state, StepReport(7, P39, pages, 0, 3), True, [8, 14, None], stored_in(held))
+    assert all(len(ops) == 9 for ops in plan.loads.values())

@@ -103,7 +103,7 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         rid = int(request.request_id)
         tokens = list(request.get_tokens(0))
         salt = getattr(request, "cache_salt", None)
-        found = self.service.lookup(tokens, salt, num_computed_tokens)
+        found = self.service.lookup(tokens, salt, num_computed_tokens, window_aware=self._cfg.window_aware)
         self._requests[rid] = new_request(rid, tokens, salt, self.service.tokens_per_block, len(self.service.windows), found)
         log.debug("gdskv: request %d: %d of %d prompt tokens from the store", rid, found.num_new_tokens, len(tokens))
         return found.num_new_tokens, False
@@ -146,7 +146,7 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         if state is None:
             log.debug("gdskv: request %d reported as cached without a first report; not planned", report.request_id)
             return None
-        plan = plan_step(state, report, first, self.service.windows, self.service.stored)
+        plan = plan_step(state, report, first, self.service.windows, self.service.stored, window_aware=self._cfg.window_aware)
         self._planned.loads_planned += sum(len(ops) for ops in plan.loads.values())
         self._planned.saves_planned += sum(len(ops) for ops in plan.saves.values())
         return plan
