@@ -405,7 +405,7 @@ class PageStore:
 
     def attributes(self) -> dict[str, Any]:
         """The root group's ``gdskv`` attribute (``{}`` when it cannot be read)."""
-        return _store_attr(self.root) or {}
+        return _store_attr(self.fs) or {}
 
     def namespace(self, spec: NamespaceSpec) -> Namespace:
         """The namespace for ``spec``, created (group + one array per layer group) if new.
@@ -595,15 +595,11 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _store_attr(root: Path) -> Optional[dict[str, Any]]:
+def _store_attr(fs: ConfinedDir) -> Optional[dict[str, Any]]:
     """The root ``zarr.json``'s ``gdskv`` attribute when it is a regular file that parses into
     an object, else None."""
     try:
-        fs = ConfinedDir(root)
-        try:
-            doc = json.loads(fs.read_small("zarr.json"))
-        finally:
-            fs.close()
+        doc = json.loads(fs.read_small("zarr.json"))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
@@ -612,4 +608,12 @@ def _store_attr(root: Path) -> Optional[dict[str, Any]]:
 
 
 def is_store(root: Path) -> bool:
-    return _store_attr(Path(root)) is not None
+    """Whether ``root`` holds a gdskv store's root ``zarr.json`` (read without following a link)."""
+    try:
+        fs = ConfinedDir(root)
+    except OSError:
+        return False
+    try:
+        return _store_attr(fs) is not None
+    finally:
+        fs.close()
