@@ -25,6 +25,7 @@ ENV_CONFIG = "GDSKV_CONFIG"
 ENV_STORE = "GDSKV_STORE"
 ENGINES = ("auto", "posix", "kvikio")
 O_DIRECT_MODES = ("off", "writes", "all")
+UPLOAD_MODES = ("behind", "through", "off")
 MIN_AUTH_KEY_BYTES = 16
 DEFAULT_FILE_MODE = 0o600
 
@@ -87,6 +88,105 @@ def parse_file_mode(value: int | str) -> int:
     return mode
 
 
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0}
+
+
+def parse_seconds(value: str | int | float) -> float:
+    """``"2s"`` / ``"500ms"`` / ``"1m"`` / a number of seconds → seconds (positive, finite)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a duration: {value!r} (expected e.g. 2s, 500ms)")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DURATION_RE.match(value) if isinstance(value, str) else None
+        if not m:
+            raise ValueError(f"not a duration: {value!r} (expected e.g. 2s, 500ms)")
+        seconds = float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "s").lower()]
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"must be a positive duration, got {value!r}")
+    return seconds
+
+
+_CREDENTIAL_WORDS = ("key", "secret", "token", "password", "credential")
+
+
+@dataclass
+class RemoteConfig:
+    """``[gdskv.remote]``: the shared tier on S3-compatible object storage (``gdskv.remote``).
+    Credentials never stand here: they come from the standard AWS environment variables
+    (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``) or profiles."""
+
+    url: str = ""
+    """``s3://bucket`` or ``s3://bucket/prefix``: where the store's Zarr layout lives remotely."""
+    endpoint: Optional[str] = None
+    """``http(s)://host:port`` for MinIO, Ceph RGW, a local test server; None for AWS S3."""
+    region: Optional[str] = None
+    upload: str = "behind"
+    """``behind`` (a bounded queue after each local publish), ``through`` (a save resolves once
+    uploaded), ``off`` (read-only)."""
+    timeout: float = 2.0
+    """Seconds a lookup may spend on the remote (``"2s"``, ``"500ms"`` in TOML)."""
+    concurrency: int = 16
+    """Requests in flight at once (reads and uploads each)."""
+    queue: int = 4096
+    """Uploads waiting at most; beyond it a save is not queued (it is uploaded at the next start)."""
+    negative_ttl: float = 5.0
+    """Seconds a remote miss is remembered before the remote is asked about that key again."""
+    retry_after: float = 30.0
+    """Seconds an unreachable remote is left alone before it is tried again."""
+    drain: float = 10.0
+    """Seconds ``close`` waits for queued uploads (the rest go at the next start)."""
+
+    @classmethod
+    def from_toml(cls, table: Any) -> "RemoteConfig":
+        """The ``[gdskv.remote]`` table; ``ConfigError`` naming ``remote.<key>`` otherwise."""
+        if isinstance(table, RemoteConfig):
+            return table
+        if not isinstance(table, dict):
+            raise ConfigError(f"gdskv config: remote must be a table ([gdskv.remote]), got {type(table).__name__} {table!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in table:
+            if key not in known:
+                if any(w in str(key).lower() for w in _CREDENTIAL_WORDS):
+                    raise ConfigError(f"gdskv config: remote.{key}: credentials never go in gdskv's config; set "
+                                      f"AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or a profile) in the environment")
+                raise ConfigError(f"gdskv config: unknown setting remote.{key} (known: {', '.join(sorted(known))})")
+        return cls(**table)
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> ConfigError:
+            return ConfigError(f"gdskv config: remote.{key} {why}")
+
+        if not isinstance(self.url, str) or not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^\s]*)?", self.url):
+            raise bad("url", f"must be s3://bucket or s3://bucket/prefix (a valid bucket name), got {self.url!r}")
+        if self.endpoint is not None and (not isinstance(self.endpoint, str)
+                                          or not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", self.endpoint)):
+            raise bad("endpoint", f"must be an http:// or https:// URL, got {self.endpoint!r}")
+        if self.region is not None and (not isinstance(self.region, str) or not re.fullmatch(r"[a-z0-9\-]+", self.region)):
+            raise bad("region", f"must be a region name like us-east-1, got {self.region!r}")
+        if self.upload not in UPLOAD_MODES:
+            raise bad("upload", f"must be one of {', '.join(UPLOAD_MODES)}, got {self.upload!r}")
+        for key in ("timeout", "negative_ttl", "retry_after", "drain"):
+            try:
+                setattr(self, key, parse_seconds(getattr(self, key)))
+            except ValueError as e:
+                raise bad(key, str(e)) from None
+        for key, hi in (("concurrency", 256), ("queue", 1 << 20)):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi:
+                raise bad(key, f"must be an integer in [1, {hi}], got {v!r}")
+
+    @property
+    def bucket(self) -> str:
+        return self.url[len("s3://"):].partition("/")[0]
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix inside the bucket, without slashes at either end ("" for the bucket's root)."""
+        return self.url[len("s3://"):].partition("/")[2].strip("/")
+
+
 def _decode_key(data: bytes) -> bytes:
     """A secret key as configured: surrounding whitespace stripped; a value made only of hex
     digits (an even number of them) is decoded from hex; anything else is the raw bytes."""
@@ -125,6 +225,8 @@ class GdsKvConfig:
     may run past the smallest window; it also saves only those (bytes per request bounded by the
     window). False: the spec's smallest-window rule (the prefix stops at the first block any group
     misses)."""
+    remote: Optional[RemoteConfig] = None
+    """``[gdskv.remote]``: the shared tier on S3-compatible object storage; None: local only."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -177,6 +279,8 @@ class GdsKvConfig:
                 raise bad(key, f"must be a non-empty string, got {v!r}")
         if self.auth_key_file is not None and self.auth_key_env is not None:
             raise ConfigError("gdskv config: auth_key_file and auth_key_env are both set; set at most one")
+        if self.remote is not None:
+            self.remote = RemoteConfig.from_toml(self.remote)
 
     @property
     def dir_mode(self) -> int:

@@ -41,6 +41,7 @@ from gdskv.garbage import collect_in_background
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
 from gdskv.planner import Lookup, Salt, contiguous_hits, lookup_needs, plan_lookup, plan_lookup_window_aware
+from gdskv.remote import RemoteSetupError, RemoteTier
 from gdskv.store import Namespace, NamespaceSpec, PageStore, StoreError
 from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
 
@@ -115,11 +116,14 @@ class KvService:
         self.engine: Optional[IoEngine] = None
         self._owns_engine = engine is None
         self.lineage = Lineage()
-        auth_key = cfg.auth_key() if transfers else None  # ConfigError (naming the setting) at bring-up
+        self.remote: Optional[RemoteTier] = None
+        """The shared tier (``[gdskv.remote]``): read-through at lookup, uploads after a save."""
+        # ConfigError (naming the setting) at bring-up; the remote tier verifies what it fetches
+        auth_key = cfg.auth_key() if transfers or cfg.remote is not None else None
         try:
             self.store = PageStore.from_config(cfg)
             self.namespaces = [self.store.namespace(spec.with_rank(r)) for r in range(spec.tp_size)]
-            if transfers:  # a lookup-only service writes no chunk: no byte budget (nor its scan of the store)
+            if transfers or cfg.remote is not None:  # a lookup-only service writes no chunk unless it reads through
                 install_budget(self.store, cfg)
             collect_in_background(self.store)
         except StoreError as e:
@@ -134,6 +138,12 @@ class KvService:
                 self.transfers[r] = PageTransfer(self.namespaces[r], self.engine, threads=cfg.io_threads,
                                                  stats_flush_seconds=cfg.stats_flush_seconds, auth_key=auth_key)
             self.transfer = self.transfers.get(spec.tp_rank)
+        if cfg.remote is not None:
+            try:
+                self.remote = RemoteTier(cfg.remote, auth_key, uploads=transfers)
+            except RemoteSetupError as e:
+                raise ServiceSetupError(str(e)) from None
+            self.remote.start_leftovers([self.namespaces[r] for r in self.transfers])
         log.info("gdskv: service for %r shard %d/%d on namespace %s in %s%s", spec.model, spec.tp_rank, spec.tp_size,
                  self.namespace.id, cfg.store_path,
                  f" (I/O: {self.engine.describe()})" if self.engine is not None else " (lookups only)")
@@ -177,6 +187,14 @@ class KvService:
     def _stored_dense(self, index: int, keys: Sequence[bytes]) -> list[bool]:
         return self.stored(self.group_ids[index], keys)
 
+    def _lookup_stored(self) -> Callable[[int, Sequence[bytes]], list[bool]]:
+        """What a lookup asks (by group index): the local store, and for what misses there the
+        remote tier, reading through into the local store, all within one ``remote.timeout``."""
+        if self.remote is None or not self.active:
+            return self._stored_dense
+        remote, deadline = self.remote, time.monotonic() + self.remote.rc.timeout
+        return lambda index, keys: remote.stored(self.namespaces, self.group_ids[index], keys, deadline)
+
     def lookup(self, tokens: Sequence[int], cache_salt: Salt, num_computed_tokens: int = 0,
                window_aware: bool = False) -> Lookup:
         """How many of ``tokens`` beyond the ``num_computed_tokens`` the engine holds the store
@@ -184,14 +202,15 @@ class KvService:
         served chunk of every group and shard leased. Planned again, once, when a lease fails.
         ``window_aware``: ``plan_lookup_window_aware`` (a sliding group needs, and leases, only
         the blocks inside its window before the served length)."""
+        stored = self._lookup_stored()
         for attempt in (0, 1):
             if window_aware:
                 found = plan_lookup_window_aware(tokens, cache_salt, self.tokens_per_block, num_computed_tokens,
-                                                 self.windows, self._stored_dense)
+                                                 self.windows, stored)
                 leased = self.lease_per_group([[found.keys[o] for o in r] for r in lookup_needs(found, self.windows)])
             else:
                 found = plan_lookup(tokens, cache_salt, self.tokens_per_block, num_computed_tokens, len(self.group_ids),
-                                    self._stored_dense)
+                                    stored)
                 leased = self.lease(found.keys[found.first_block:found.end_block])
             if leased:
                 break
@@ -211,10 +230,11 @@ class KvService:
         """For an engine that names blocks itself (MAX's canonical hashes): the ordinal one past
         the run of ``keys[first_block:]`` every group and shard holds, leased; planned again,
         once, when a lease fails."""
+        stored = self._lookup_stored()
         for attempt in (0, 1):
             end = len(keys)
-            for g in self.group_ids:  # each group is asked only about the run the others hold
-                end = contiguous_hits([self.stored(g, keys[first_block:end])], first_block)
+            for i in range(len(self.group_ids)):  # each group is asked only about the run the others hold
+                end = contiguous_hits([stored(i, keys[first_block:end])], first_block)
                 if end <= first_block:
                     return first_block
             if self.lease(keys[first_block:end]):
@@ -272,6 +292,8 @@ class KvService:
         if transfer is None:
             return None
         fut = transfer.save_page(group, key, parent, segments, ready=ready)
+        if self.remote is not None:
+            fut = self.remote.after_save(transfer.ns, group, key, fut)
         nbytes = self.bytes_per_page(group)
         self._posted(saves_posted=1)
         return _counted(fut, lambda f: self._saved(f, nbytes))
@@ -342,6 +364,10 @@ class KvService:
                 transfer.close()
             if self._owns_engine and self.engine is not None:
                 self.engine.close()
+        if self.remote is not None:
+            remote, self.remote = self.remote, None
+            remote.close()
+            self._dirty = True
         self.flush_stats(force=True)
 
     # -- engines that name blocks themselves (MAX) ------------------------------------------------

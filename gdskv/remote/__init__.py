@@ -1,0 +1,14 @@
+"""The shared tier: the store's Zarr layout on S3-compatible object storage (``[gdskv.remote]``).
+
+- ``client``: the object-store client (obstore), requests with deadlines, outcomes not exceptions;
+- ``objects``: chunk object keys, verification of fetched objects, atomic local publication;
+- ``tier``: what a ``KvService`` holds: read-through at lookup, health, uploads after a save;
+- ``upload``: create-only uploads (write-behind queue, write-through, leftovers at start);
+- ``copy``: whole-namespace push / pull and bucket listings for the CLI.
+
+Imports run down: ``gdskv.service`` -> ``gdskv.remote`` -> store / format / checksum.
+"""
+from gdskv.remote.client import ObjectClient, Outcome, RemoteSetupError, RemoteUnavailable
+from gdskv.remote.tier import RemoteTier
+
+__all__ = ["ObjectClient", "Outcome", "RemoteSetupError", "RemoteTier", "RemoteUnavailable"]

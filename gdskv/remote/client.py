@@ -1,0 +1,229 @@
+"""The object-store client of the remote tier: S3-compatible storage through ``obstore``.
+
+One ``ObjectClient`` per remote tier. Requests run as coroutines on one event loop in a daemon
+thread of this process (obstore's async API: many requests in flight from one thread, the GIL
+released while bytes move); callers block on ``get_many`` / ``put_create`` / ``list`` with a
+deadline, so no caller ever waits on the network longer than it was given.
+
+Why obstore (``scripts/bench_remote.py`` measures it against boto3): it is what zarr 3's
+``ObjectStore`` uses, its requests are made in Rust (bytes never pass through Python until they
+are handed back), and it speaks the S3 conditional put (``If-None-Match: *``) that create-only
+uploads need.
+
+Credentials never come from gdskv's config: obstore reads the standard AWS environment variables
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, web identity, ECS and
+instance metadata); where none is set and boto3 is installed, boto3's chain (profiles, SSO) is used.
+
+Called by ``gdskv.remote.tier`` (reads and uploads), the CLI (``push``/``pull``/``--remote``) and
+the benchmark.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Coroutine, Iterator, Optional, Sequence
+
+from gdskv.config import RemoteConfig
+
+
+class RemoteSetupError(ValueError):
+    """The remote settings cannot make a client (the message names the setting)."""
+
+
+class Outcome(enum.Enum):
+    """How one request ended."""
+
+    OK = "ok"
+    MISSING = "missing"
+    EXISTS = "exists"
+    """A create-only upload found the object there (412 Precondition Failed)."""
+    REFUSED = "refused"
+    """The remote answered no (permission, authentication, a bad request)."""
+    UNREACHABLE = "unreachable"
+    """No answer: connection refused or reset, DNS, a server error, the deadline."""
+
+
+@dataclass
+class Reply:
+    outcome: Outcome
+    data: Optional[bytes] = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    """Relative to the configured prefix (``ns/<id>/g0/c/<hi>/0/<lo>``)."""
+    size: int
+    mtime: float
+
+
+def _classify(e: BaseException) -> Reply:
+    from obstore import exceptions as ox
+
+    if isinstance(e, FileNotFoundError):
+        return Reply(Outcome.MISSING)
+    if isinstance(e, (ox.AlreadyExistsError, ox.PreconditionError)):
+        return Reply(Outcome.EXISTS)
+    if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, ox.InvalidPathError, ox.NotSupportedError)):
+        return Reply(Outcome.REFUSED, detail=_first_line(e))
+    if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+        return Reply(Outcome.UNREACHABLE, detail="timed out")
+    text = str(e)
+    if " 4" in text and any(code in text for code in ("400", "403", "405", "409", "411", "413", "414")):
+        return Reply(Outcome.REFUSED, detail=_first_line(e))
+    return Reply(Outcome.UNREACHABLE, detail=_first_line(e))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+class ObjectClient:
+    """Requests against ``rc.url`` (bucket and prefix) at ``rc.endpoint``."""
+
+    def __init__(self, rc: RemoteConfig, *, request_timeout: Optional[float] = None) -> None:
+        """``request_timeout``: the HTTP client's own limit per request (default: the remote's
+        ``timeout``, at least 1 s: the caller's deadline cuts a lookup shorter in any case)."""
+        from obstore.store import S3Store
+
+        self.rc = rc
+        per_request = timedelta(seconds=max(1.0, request_timeout if request_timeout is not None else rc.timeout))
+        config: dict[str, Any] = {}
+        if rc.endpoint is not None:
+            config["endpoint"] = rc.endpoint
+        if rc.region is not None:
+            config["region"] = rc.region
+        elif rc.endpoint is not None and not os.environ.get("AWS_REGION") and not os.environ.get("AWS_DEFAULT_REGION"):
+            config["region"] = "us-east-1"  # S3-compatible servers accept any; the signature needs one
+        options = {"allow_http": bool(rc.endpoint and rc.endpoint.startswith("http://")), "timeout": per_request,
+                   "connect_timeout": timedelta(seconds=min(per_request.total_seconds(), max(0.2, rc.timeout)))}
+        retry = {"max_retries": 1, "retry_timeout": per_request,
+                 "backoff": {"init_backoff": timedelta(milliseconds=20), "max_backoff": timedelta(milliseconds=200), "base": 2}}
+        kwargs: dict[str, Any] = {}
+        provider = _boto3_credentials()
+        if provider is not None:
+            kwargs["credential_provider"] = provider
+        try:
+            self.store = S3Store(rc.bucket, prefix=rc.prefix or None, config=config, client_options=options,
+                                 retry_config=retry, **kwargs)
+        except Exception as e:  # obstore's own configuration errors
+            raise RemoteSetupError(f"gdskv config: remote.url {rc.url} / remote.endpoint {rc.endpoint}: {_first_line(e)}") from None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="gdskv-remote", daemon=True)
+        self._thread.start()
+        self._limit: Optional[asyncio.Semaphore] = None
+        self._closed = False
+
+    # -- running coroutines ----------------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> Future:
+        """Run ``coro`` on the client's loop; a concurrent future of its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _bounded(self, coro: Coroutine[Any, Any, Reply]) -> Reply:
+        if self._limit is None:
+            self._limit = asyncio.Semaphore(self.rc.concurrency)
+        async with self._limit:
+            return await coro
+
+    # -- requests --------------------------------------------------------------------------------
+    async def get_async(self, key: str) -> Reply:
+        import obstore
+
+        try:
+            got = await obstore.get_async(self.store, key)
+            return Reply(Outcome.OK, bytes(await got.bytes_async()))
+        except BaseException as e:  # noqa: BLE001 - every failure is an outcome, never an exception
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return _classify(e)
+
+    async def put_async(self, key: str, data: bytes, create_only: bool = True) -> Reply:
+        import obstore
+
+        try:
+            await obstore.put_async(self.store, key, data, mode="create" if create_only else "overwrite", use_multipart=False)
+            return Reply(Outcome.OK)
+        except BaseException as e:  # noqa: BLE001
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return _classify(e)
+
+    def get_many(self, keys: Sequence[str], timeout: float) -> list[Reply]:
+        """GET every key at once (``concurrency`` in flight); what has not answered within
+        ``timeout`` seconds is ``UNREACHABLE`` ("timed out")."""
+        if not keys:
+            return []
+
+        async def run() -> list[Reply]:
+            tasks = [asyncio.ensure_future(self._bounded(self.get_async(k))) for k in keys]
+            done, pending = await asyncio.wait(tasks, timeout=timeout)
+            for t in pending:
+                t.cancel()
+            return [t.result() if t in done and not t.cancelled() else Reply(Outcome.UNREACHABLE, detail="timed out")
+                    for t in tasks]
+
+        return self.submit(run()).result()
+
+    def put_create(self, key: str, data: bytes, timeout: Optional[float] = None) -> Reply:
+        """Create ``key`` unless it exists (``If-None-Match: *``): ``OK`` or ``EXISTS``."""
+        return self._wait(self._bounded(self.put_async(key, data)), timeout)
+
+    def get(self, key: str, timeout: Optional[float] = None) -> Reply:
+        return self._wait(self._bounded(self.get_async(key)), timeout)
+
+    def _wait(self, coro: Coroutine[Any, Any, Reply], timeout: Optional[float]) -> Reply:
+        async def run() -> Reply:
+            try:
+                return await asyncio.wait_for(coro, timeout)
+            except asyncio.TimeoutError:
+                return Reply(Outcome.UNREACHABLE, detail="timed out")
+
+        return self.submit(run()).result()
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` (relative to the configured prefix). Raises
+        ``RemoteUnavailable`` when the listing fails."""
+        import obstore
+
+        try:
+            for batch in obstore.list(self.store, prefix or None, chunk_size=1000):
+                for meta in batch:
+                    yield ObjectInfo(str(meta["path"]), int(meta["size"]), meta["last_modified"].timestamp())
+        except Exception as e:  # noqa: BLE001
+            reply = _classify(e)
+            raise RemoteUnavailable(f"listing s3://{self.rc.bucket}/{self.rc.prefix}: {reply.outcome.value}: {reply.detail}") from None
+
+    def close(self) -> None:
+        """Stop the loop thread (requests still in flight are abandoned). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+class RemoteUnavailable(RuntimeError):
+    """A request that has no per-key outcome (a listing) failed; the message says how."""
+
+
+def _boto3_credentials() -> Any:
+    """boto3's credential chain (profiles, SSO) when no AWS key is in the environment and boto3
+    is installed; None otherwise (obstore's own chain: environment, web identity, ECS, IMDS)."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") or os.environ.get("AWS_SKIP_SIGNATURE"):
+        return None
+    if not (os.environ.get("AWS_PROFILE") or os.path.exists(os.path.expanduser("~/.aws/credentials"))
+            or os.path.exists(os.path.expanduser("~/.aws/config"))):
+        return None
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        return None
+    return Boto3CredentialProvider(boto3.Session())

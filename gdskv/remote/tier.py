@@ -1,0 +1,192 @@
+"""The remote tier a ``KvService`` holds when ``[gdskv.remote]`` is configured.
+
+- **Read-through** (``stored``): a lookup's keys that miss locally are fetched from the remote in
+  waves (each wave's GETs concurrent, all of a lookup's waves inside one deadline, ``timeout``),
+  verified as a local load verifies a chunk, and published into the local store; the lookup then
+  serves them locally like any other chunk. Fetching stops at the first wave in which a key is in
+  neither tier (the served prefix stops there anyway). A miss is remembered for ``negative_ttl``;
+  a bad object is a miss, counted (``remote_corrupt``) and remembered.
+- **Health**: a request that gets no answer (connection refused, DNS, a timeout) marks the remote
+  down for ``retry_after`` seconds, with one warning and a counter (``remote_unreachable``);
+  meanwhile lookups are local only and cost nothing.
+- **Uploads** (``gdskv.remote.upload.Uploader``): after a local publish, by upload mode.
+
+Counters go to the namespace's shared counters (``gdskv stats`` sums them) and to ``counters``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Optional, Sequence
+
+from gdskv.config import RemoteConfig
+from gdskv.remote.client import ObjectClient, Outcome
+from gdskv.remote.objects import chunk_key, publish, verify
+from gdskv.remote.upload import Uploader
+from gdskv.store import Counters, Namespace
+from gdskv.transfer import SaveStatus
+
+log = logging.getLogger(__name__)
+
+WAVE = 32
+"""Blocks fetched per wave of a read-through."""
+NEGATIVE_CAPACITY = 1 << 16
+
+
+class RemoteTier:
+    """The shared tier of one service. ``uploads``: whether this service uploads (a service
+    that transfers pages, with ``upload`` other than ``off``)."""
+
+    def __init__(self, rc: RemoteConfig, auth_key: Optional[bytes], uploads: bool,
+                 client: Optional[ObjectClient] = None) -> None:
+        self.rc = rc
+        self.auth_key = auth_key
+        self.client = client if client is not None else ObjectClient(rc)
+        self.counters = Counters()
+        self._negative: dict[tuple[str, int, bytes], float] = {}
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self.uploader: Optional[Uploader] = Uploader(self.client, rc, auth_key, self._count, self) \
+            if uploads and rc.upload != "off" else None
+
+    # -- health ------------------------------------------------------------------------------------
+    @property
+    def reachable(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def unreachable(self, ns: Optional[Namespace], detail: str) -> None:
+        """A request got no answer: leave the remote alone for ``retry_after`` (warn once per spell)."""
+        with self._lock:
+            was_up = self.reachable
+            self._down_until = time.monotonic() + self.rc.retry_after
+        self._count(ns, "remote_unreachable")
+        if was_up:
+            log.warning("gdskv: remote %s (endpoint %s) unreachable (%s); serving from the local store only, "
+                        "retrying in %.0f s", self.rc.url, self.rc.endpoint or "AWS S3", detail, self.rc.retry_after)
+
+    def _count(self, ns: Optional[Namespace], name: str, n: int = 1) -> None:
+        self.counters.add(name, n)
+        if ns is not None:
+            ns.counters.add(name, n)
+
+    # -- read-through ------------------------------------------------------------------------------
+    def stored(self, namespaces: Sequence[Namespace], group: int, keys: Sequence[bytes], deadline: float) -> list[bool]:
+        """For each key, whether every shard's chunk of it is now in the local store, fetching
+        from the remote what misses locally, until ``deadline`` (``time.monotonic()``). Keys
+        past the first that is in neither tier are answered from the local store alone."""
+        present = [True] * len(keys)
+        for ns in namespaces:
+            todo = [i for i, p in enumerate(present) if p]
+            if not todo:
+                break
+            local = ns.contains_many(group, [keys[i] for i in todo])
+            missing = [i for i, there in zip(todo, local) if not there]
+            fetched = self._fetch_run(ns, group, [keys[i] for i in missing], deadline)
+            for n, i in enumerate(missing):
+                present[i] = n < len(fetched) and fetched[n]
+        return present
+
+    def _fetch_run(self, ns: Namespace, group: int, keys: Sequence[bytes], deadline: float) -> list[bool]:
+        """Fetch ``keys`` in order, a wave at a time; the answers for a prefix of ``keys``."""
+        out: list[bool] = []
+        for start in range(0, len(keys), WAVE):
+            if not self.reachable:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._count(ns, "remote_deadline")
+                break
+            wave = keys[start:start + WAVE]
+            got = self._fetch(ns, group, wave, left)
+            out.extend(got)
+            if not all(got):
+                break
+        return out
+
+    def _fetch(self, ns: Namespace, group: int, keys: Sequence[bytes], timeout: float) -> list[bool]:
+        now = time.monotonic()
+        with self._lock:
+            ask = [k for k in keys if self._negative.get((ns.id, group, k), 0.0) <= now]
+        skip = set(keys) - set(ask)
+        replies = dict(zip(ask, self.client.get_many([chunk_key(ns, group, k) for k in ask], timeout)))
+        out = []
+        for k in keys:
+            if k in skip:
+                out.append(False)
+                continue
+            r = replies[k]
+            if r.outcome is Outcome.OK:
+                out.append(self._take(ns, group, k, r.data))
+            elif r.outcome is Outcome.MISSING:
+                self._count(ns, "remote_misses")
+                self._remember_miss(ns, group, k)
+                out.append(False)
+            elif r.outcome is Outcome.REFUSED:
+                self._count(ns, "remote_refused")
+                self._remember_miss(ns, group, k)
+                out.append(False)
+            else:
+                if r.detail == "timed out":
+                    self._count(ns, "remote_timeouts")
+                self.unreachable(ns, r.detail)
+                out.append(False)
+        return out
+
+    def _take(self, ns: Namespace, group: int, key: bytes, data: bytes) -> bool:
+        """Verify a fetched object and publish it locally; whether it is now local."""
+        reason = verify(ns, group, key, data, self.auth_key)
+        if reason is not None:
+            self._count(ns, "remote_corrupt")
+            self._remember_miss(ns, group, key)
+            log.warning("gdskv: remote object %s failed verification (%s); treated as a miss",
+                        chunk_key(ns, group, key), reason)
+            return False
+        try:
+            if not publish(ns, group, key, data):
+                self._count(ns, "remote_dropped_budget")
+                return False
+        except OSError as e:
+            self._count(ns, "remote_publish_failed")
+            log.warning("gdskv: could not publish remote chunk %s locally: %s", chunk_key(ns, group, key), e)
+            return False
+        self._count(ns, "remote_hits")
+        self._count(ns, "bytes_remote_read", len(data))
+        return True
+
+    def _remember_miss(self, ns: Namespace, group: int, key: bytes) -> None:
+        with self._lock:
+            if len(self._negative) >= NEGATIVE_CAPACITY:
+                now = time.monotonic()
+                self._negative = {k: t for k, t in self._negative.items() if t > now}
+                while len(self._negative) >= NEGATIVE_CAPACITY:
+                    self._negative.pop(next(iter(self._negative)))
+            self._negative[(ns.id, group, key)] = time.monotonic() + self.rc.negative_ttl
+
+    # -- uploads -----------------------------------------------------------------------------------
+    def after_save(self, ns: Namespace, group: int, key: bytes, fut: "Future[SaveStatus]") -> "Future[SaveStatus]":
+        """Upload ``key``'s chunk once ``fut`` (its local save) has published it: queued
+        (``behind``), or before the returned future resolves (``through``)."""
+        up = self.uploader
+        if up is None:
+            return fut
+        if self.rc.upload == "behind":
+            fut.add_done_callback(lambda f: up.enqueue(ns, group, key) if _published(f) else None)
+            return fut
+        return up.through(ns, group, key, fut)
+
+    def start_leftovers(self, namespaces: Sequence[Namespace]) -> None:
+        """Upload, in the background, what the local store holds and the remote lacks."""
+        if self.uploader is not None:
+            self.uploader.sync_in_background(namespaces)
+
+    def close(self) -> None:
+        """Drain the upload queue (at most ``drain`` seconds; the rest go at the next start)."""
+        if self.uploader is not None:
+            self.uploader.close()
+        self.client.close()
+
+
+def _published(f: Future) -> bool:
+    return not f.cancelled() and f.exception() is None and f.result() is SaveStatus.PUBLISHED

@@ -1,0 +1,235 @@
+"""Uploads of locally published chunks to the remote tier, create-only.
+
+Every upload is a conditional create (``If-None-Match: *``): two nodes saving the same block never
+overwrite each other, and a published object is never replaced. Before a chunk goes up it is read
+back from the local store and verified (a chunk damaged on local disk never reaches the bucket),
+and its namespace's ``zarr.json`` documents are uploaded first (once per process), so the bucket
+is a Zarr hierarchy at every moment.
+
+- ``behind``: ``enqueue`` puts the chunk on a bounded queue and returns at once (a full queue is
+  counted, ``remote_upload_deferred``, never waited on); ``threads`` workers upload from it.
+- ``through``: ``through`` resolves a save's future only once its upload has been tried.
+- leftovers: the local store is the queue's durable record. ``sync_in_background`` (at bring-up)
+  lists the remote's objects of each namespace and uploads every local chunk it lacks, so what
+  was queued, deferred or unreachable at shutdown goes up at the next start.
+
+A refused upload (permission, a bad request) is dropped with a counter (``remote_upload_refused``);
+one that gets no answer marks the remote down (``RemoteTier.unreachable``) and is left to the
+next start (``remote_upload_failed``). Called by ``gdskv.remote.tier`` and ``gdskv.remote.copy``.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional, Sequence
+
+from gdskv import format as fmt
+from gdskv.config import RemoteConfig
+from gdskv.remote.client import ObjectClient, Outcome, RemoteUnavailable
+from gdskv.remote.objects import chunk_key, metadata_keys, read_local, verify
+from gdskv.store import Namespace
+
+log = logging.getLogger(__name__)
+
+Count = Callable[[Optional[Namespace], str, int], None]
+
+
+class Uploader:
+    """Create-only uploads for one remote tier. ``health``: the tier (``reachable``,
+    ``unreachable(ns, detail)``)."""
+
+    def __init__(self, client: ObjectClient, rc: RemoteConfig, auth_key: Optional[bytes], count: Count, health: Any,
+                 threads: Optional[int] = None) -> None:
+        self.client = client
+        self.rc = rc
+        self.auth_key = auth_key
+        self._count = count
+        self._health = health
+        self._queue: "queue.Queue[Optional[tuple[Namespace, int, bytes]]]" = queue.Queue(maxsize=rc.queue)
+        self._metadata_done: set[str] = set()
+        self._meta_lock = threading.Lock()
+        self._closing = False
+        self._workers = [threading.Thread(target=self._work, name=f"gdskv-upload-{i}", daemon=True)
+                         for i in range(threads or min(rc.concurrency, 8))]
+        for t in self._workers:
+            t.start()
+        self._through = ThreadPoolExecutor(max_workers=min(rc.concurrency, 8), thread_name_prefix="gdskv-upload-through")
+        self._sync: Optional[threading.Thread] = None
+
+    # -- entry points ------------------------------------------------------------------------------
+    def enqueue(self, ns: Namespace, group: int, key: bytes) -> bool:
+        """Queue ``key``'s chunk for upload; False (counted) when the queue is full or closing."""
+        if self._closing:
+            self._count(ns, "remote_upload_deferred", 1)
+            return False
+        try:
+            self._queue.put_nowait((ns, group, key))
+            return True
+        except queue.Full:
+            self._count(ns, "remote_upload_deferred", 1)
+            return False
+
+    def through(self, ns: Namespace, group: int, key: bytes, fut: Future) -> Future:
+        """A future that resolves as the save ``fut`` does, once a published chunk's upload was tried."""
+        out: Future = Future()
+
+        def relay(f: Future) -> None:
+            if f.cancelled():
+                out.cancel()
+                return
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+            status = f.result()
+            if getattr(status, "value", None) != "published":
+                out.set_result(status)
+                return
+            self._through.submit(self._upload_then, ns, group, key, status, out)
+
+        fut.add_done_callback(relay)
+        return out
+
+    def _upload_then(self, ns: Namespace, group: int, key: bytes, status: Any, out: Future) -> None:
+        try:
+            self.upload(ns, group, key)
+        finally:
+            out.set_result(status)
+
+    # -- one upload --------------------------------------------------------------------------------
+    def upload(self, ns: Namespace, group: int, key: bytes) -> Outcome:
+        """Upload ``key``'s local chunk (create-only) after its namespace's metadata."""
+        return self.upload_rel(ns, group, chunk_key(ns, group, key), key)
+
+    def upload_rel(self, ns: Namespace, group: int, rel: str, key: Optional[bytes] = None) -> Outcome:
+        """Upload the local chunk at ``rel`` (its block key read from its trailer when not given)."""
+        if not self._health.reachable:
+            self._count(ns, "remote_upload_failed", 1)
+            return Outcome.UNREACHABLE
+        try:
+            data = read_local(ns.store, rel)
+            if key is None:
+                key = fmt.unpack(data[-fmt.TRAILER_BYTES:]).block_key
+        except (OSError, fmt.ChunkFormatError, ValueError):
+            self._count(ns, "remote_upload_skipped", 1)  # evicted meanwhile, or not a sound chunk
+            return Outcome.MISSING
+        if chunk_key(ns, group, key) != rel or verify(ns, group, key, data, self.auth_key) is not None:
+            self._count(ns, "remote_upload_skipped", 1)
+            return Outcome.REFUSED
+        if not self.ensure_metadata(ns):
+            self._count(ns, "remote_upload_failed", 1)
+            return Outcome.UNREACHABLE
+        reply = self.client.put_create(rel, data, timeout=max(self.rc.timeout, 5.0))
+        if reply.outcome is Outcome.OK:
+            self._count(ns, "remote_uploaded", 1)
+            self._count(ns, "bytes_remote_written", len(data))
+        elif reply.outcome is Outcome.EXISTS:
+            self._count(ns, "remote_upload_exists", 1)
+        elif reply.outcome is Outcome.REFUSED:
+            self._count(ns, "remote_upload_refused", 1)
+            log.warning("gdskv: remote refused %s (%s); dropped (it stays local)", rel, reply.detail)
+        else:
+            self._count(ns, "remote_upload_failed", 1)
+            self._health.unreachable(ns, reply.detail)
+        return reply.outcome
+
+    def ensure_metadata(self, ns: Namespace) -> bool:
+        """Upload the ``zarr.json`` documents ``ns`` needs (create-only), once per process."""
+        with self._meta_lock:
+            if ns.id in self._metadata_done:
+                return True
+            for rel in metadata_keys(ns):
+                try:
+                    doc = read_local(ns.store, rel)
+                except OSError as e:
+                    log.warning("gdskv: cannot read %s to upload it: %s", rel, e)
+                    return False
+                reply = self.client.put_create(rel, doc, timeout=max(self.rc.timeout, 5.0))
+                if reply.outcome not in (Outcome.OK, Outcome.EXISTS):
+                    if reply.outcome is Outcome.UNREACHABLE:
+                        self._health.unreachable(ns, reply.detail)
+                    else:
+                        log.warning("gdskv: remote refused %s (%s)", rel, reply.detail)
+                    return False
+            self._metadata_done.add(ns.id)
+            return True
+
+    # -- leftovers ---------------------------------------------------------------------------------
+    def sync(self, namespaces: Sequence[Namespace]) -> int:
+        """Upload every local chunk of ``namespaces`` the remote lacks; how many went up."""
+        sent = 0
+        for ns in namespaces:
+            try:
+                there = {o.key for o in self.client.list(f"ns/{ns.id}/")}
+            except RemoteUnavailable as e:
+                self._health.unreachable(ns, str(e))
+                return sent
+            for array in ns.store.arrays([ns]):
+                for e in ns.store.chunk_entries(array, with_stat=False):
+                    rel = f"ns/{ns.id}/g{array.group}/c/{e.hi}/0/{e.name}"
+                    if not e.is_chunk or rel in there:
+                        continue
+                    if self._closing or not self._health.reachable:
+                        return sent
+                    if self.upload_rel(ns, array.group, rel) is Outcome.OK:
+                        sent += 1
+                        self._count(ns, "remote_leftovers_uploaded", 1)
+        return sent
+
+    def sync_in_background(self, namespaces: Sequence[Namespace]) -> None:
+        self._sync = threading.Thread(target=self._sync_logged, args=(list(namespaces),), name="gdskv-upload-leftovers",
+                                      daemon=True)
+        self._sync.start()
+
+    def _sync_logged(self, namespaces: list[Namespace]) -> None:
+        try:
+            n = self.sync(namespaces)
+            if n:
+                log.info("gdskv: uploaded %d chunk(s) left over from earlier runs to %s", n, self.rc.url)
+        except Exception as e:  # never into serving: a bug here leaves the leftovers for the next start
+            log.exception("gdskv: uploading leftovers to %s failed: %s", self.rc.url, e)
+
+    # -- workers -----------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self.upload(*item)
+            except Exception as e:  # a bug is a chunk left for the next start, logged
+                log.exception("gdskv: upload failed unexpectedly: %s", e)
+            finally:
+                self._queue.task_done()
+
+    def pending(self) -> int:
+        return self._queue.unfinished_tasks
+
+    def close(self) -> None:
+        """Wait up to ``drain`` seconds for queued uploads, then stop (the rest stay local and go
+        up at the next start)."""
+        end = time.monotonic() + self.rc.drain
+        while self._queue.unfinished_tasks and time.monotonic() < end and self._health.reachable:
+            time.sleep(0.01)
+        self._closing = True
+        left = 0
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._queue.task_done()
+            if item is not None:
+                left += 1
+                self._count(item[0], "remote_upload_deferred", 1)
+        for _ in self._workers:
+            self._queue.put(None)
+        for t in self._workers:
+            t.join(timeout=max(0.1, end - time.monotonic()))
+        self._through.shutdown(wait=True)
+        if self._sync is not None:
+            self._sync.join(timeout=max(0.0, end - time.monotonic()))
+        if left:
+            log.info("gdskv: %d upload(s) not done at shutdown; they go up at the next start", left)

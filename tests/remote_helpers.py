@@ -1,0 +1,166 @@
+"""Test helpers for the remote tier: a real S3 HTTP endpoint (moto's server on a free local
+port), endpoints that refuse or never answer, and a "node": one process running the reference
+engine with the TensorRT-LLM connector on its own local store and the shared bucket.
+
+``python tests/remote_helpers.py JOB_JSON`` is the node (``run_node`` starts it): it prints one
+JSON line with the outputs, the tokens served from the store, TTFT, and the remote tier's
+counters of both connector halves.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+BUCKET = "gdskv-shared"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoEndpoint:
+    """moto's S3 server (real HTTP, real S3 protocol) on 127.0.0.1; ``stop``/``start`` to take it away."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+        self.s3 = self.boto3()
+        self.s3.create_bucket(Bucket=BUCKET)
+
+    def boto3(self) -> Any:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1", aws_access_key_id="testing",
+                            aws_secret_access_key="testing")
+
+    def keys(self, prefix: str = "") -> list[str]:
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class SilentEndpoint:
+    """A TCP port that accepts connections and never answers: every request hangs until its deadline."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._held: list[socket.socket] = []
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self._held.append(conn)
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+        for c in self._held:
+            c.close()
+
+
+def remote_table(endpoint: str, prefix: str = "kv", **extra: Any) -> dict[str, Any]:
+    return {"url": f"s3://{BUCKET}/{prefix}", "endpoint": endpoint, "region": "us-east-1", **extra}
+
+
+def run_node(job: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+    """Run one node (``node_main``) in a fresh process; its JSON report."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **CREDENTIALS)
+    proc = subprocess.run([sys.executable, __file__, json.dumps(job)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def node_main(job: dict[str, Any]) -> dict[str, Any]:
+    """Each of ``job["runs"]`` runs: a fresh connector (scheduler + worker) on the same config,
+    the reference engine generating ``job["prompts"]``."""
+    import torch
+
+    from gdskv.config import GdsKvConfig
+    from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
+    from gdskv.engine.config import EngineConfig, ModelConfig
+    from gdskv.engine.runtime import ReferenceEngine
+
+    model = ModelConfig(**job.get("model", {}))
+    tpb = job.get("tokens_per_block", 4)
+    engine_cfg = EngineConfig(tokens_per_block=tpb, chunk_size=job.get("chunk", 64), num_slots=job.get("slots", 256))
+    runs = []
+    for _ in range(job.get("runs", 1)):
+        row: dict[str, Any] = {}
+        scheduler = worker = None
+        if job.get("store"):
+            cfg = GdsKvConfig(store_path=job["store"], remote=job.get("remote"))
+            scheduler = GdsKvScheduler(StandaloneLlmArgs.build(model.fingerprint(), tpb), config=cfg)
+            worker = GdsKvWorker(StandaloneLlmArgs.build(model.fingerprint(), tpb), config=cfg)
+        engine = ReferenceEngine(model, engine_cfg, scheduler, [worker] if worker else None)
+        t0 = time.perf_counter()
+        results = engine.generate(job["prompts"], job.get("max_new", 4))
+        row["wall_s"] = time.perf_counter() - t0
+        row["tokens"] = [r.tokens for r in results]
+        row["logits_sha"] = [_digest(torch.stack(r.logits)) for r in results]
+        row["loaded"] = [r.prefill_tokens_loaded for r in results]
+        row["ttft_s"] = [r.ttft_s for r in results]
+        if worker is not None:
+            tiers = [worker.service.remote, scheduler.service.remote]
+            t1 = time.perf_counter()
+            worker.close()
+            row["close_s"] = time.perf_counter() - t1
+            scheduler.service.close()
+            row["worker"] = vars(worker.counters)
+            row["remote_worker"], row["remote_scheduler"] = [t.counters.snapshot() if t else {} for t in tiers]
+        runs.append(row)
+    return {"runs": runs}
+
+
+def _digest(t: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def prompt(n: int, seed: int, vocab: int = 97) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def wait_for(cond: Any, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    print(json.dumps(node_main(json.loads(sys.argv[1]))))
