@@ -34,6 +34,10 @@ from gdskv.store import Namespace
 
 log = logging.getLogger(__name__)
 
+UPLOAD_TIMEOUT = 5.0
+"""Seconds an upload may take at least (a page over a slow link may need more than a lookup's
+``timeout``); an upload that takes longer counts as unreachable and is left for the next start."""
+
 Count = Callable[[Optional[Namespace], str, int], None]
 
 
@@ -48,7 +52,7 @@ class Uploader:
         self.auth_key = auth_key
         self._count = count
         self._health = health
-        self._queue: "queue.Queue[Optional[tuple[Namespace, int, bytes]]]" = queue.Queue(maxsize=rc.queue)
+        self._queue: "queue.Queue[tuple[Namespace, int, bytes]]" = queue.Queue(maxsize=rc.queue)
         self._metadata_done: set[str] = set()
         self._meta_lock = threading.Lock()
         self._closing = False
@@ -58,6 +62,7 @@ class Uploader:
             t.start()
         self._through = ThreadPoolExecutor(max_workers=min(rc.concurrency, 8), thread_name_prefix="gdskv-upload-through")
         self._sync: Optional[threading.Thread] = None
+        self._put_timeout = max(rc.timeout, UPLOAD_TIMEOUT)
 
     # -- entry points ------------------------------------------------------------------------------
     def enqueue(self, ns: Namespace, group: int, key: bytes) -> bool:
@@ -121,7 +126,7 @@ class Uploader:
         if not self.ensure_metadata(ns):
             self._count(ns, "remote_upload_failed", 1)
             return Outcome.UNREACHABLE
-        reply = self.client.put_create(rel, data, timeout=max(self.rc.timeout, 5.0))
+        reply = self.client.put_create(rel, data, timeout=self._put_timeout)
         if reply.outcome is Outcome.OK:
             self._count(ns, "remote_uploaded", 1)
             self._count(ns, "bytes_remote_written", len(data))
@@ -136,25 +141,29 @@ class Uploader:
         return reply.outcome
 
     def ensure_metadata(self, ns: Namespace) -> bool:
-        """Upload the ``zarr.json`` documents ``ns`` needs (create-only), once per process."""
+        """Upload the ``zarr.json`` documents ``ns`` needs (create-only), once per process
+        (concurrent callers may both try: create-only makes that harmless)."""
         with self._meta_lock:
             if ns.id in self._metadata_done:
                 return True
-            for rel in metadata_keys(ns):
-                try:
-                    doc = read_local(ns.store, rel)
-                except OSError as e:
-                    log.warning("gdskv: cannot read %s to upload it: %s", rel, e)
-                    return False
-                reply = self.client.put_create(rel, doc, timeout=max(self.rc.timeout, 5.0))
-                if reply.outcome not in (Outcome.OK, Outcome.EXISTS):
-                    if reply.outcome is Outcome.UNREACHABLE:
-                        self._health.unreachable(ns, reply.detail)
-                    else:
-                        log.warning("gdskv: remote refused %s (%s)", rel, reply.detail)
-                    return False
+        for rel in metadata_keys(ns):
+            if not self._health.reachable:
+                return False
+            try:
+                doc = read_local(ns.store, rel)
+            except OSError as e:
+                log.warning("gdskv: cannot read %s to upload it: %s", rel, e)
+                return False
+            reply = self.client.put_create(rel, doc, timeout=self._put_timeout)
+            if reply.outcome not in (Outcome.OK, Outcome.EXISTS):
+                if reply.outcome is Outcome.UNREACHABLE:
+                    self._health.unreachable(ns, reply.detail)
+                else:
+                    log.warning("gdskv: remote refused %s (%s)", rel, reply.detail)
+                return False
+        with self._meta_lock:
             self._metadata_done.add(ns.id)
-            return True
+        return True
 
     # -- leftovers ---------------------------------------------------------------------------------
     def sync(self, namespaces: Sequence[Namespace]) -> int:
@@ -193,11 +202,15 @@ class Uploader:
 
     # -- workers -----------------------------------------------------------------------------------
     def _work(self) -> None:
-        while True:
-            item = self._queue.get()
+        while not self._closing:
             try:
-                if item is None:
-                    return
+                item = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                if self._closing:
+                    self._count(item[0], "remote_upload_deferred", 1)
+                    continue
                 self.upload(*item)
             except Exception as e:  # a bug is a chunk left for the next start, logged
                 log.exception("gdskv: upload failed unexpectedly: %s", e)
@@ -221,13 +234,11 @@ class Uploader:
             except queue.Empty:
                 break
             self._queue.task_done()
-            if item is not None:
-                left += 1
-                self._count(item[0], "remote_upload_deferred", 1)
-        for _ in self._workers:
-            self._queue.put(None)
+            left += 1
+            self._count(item[0], "remote_upload_deferred", 1)
+        stop = max(end, time.monotonic()) + 0.25  # a worker mid-upload is abandoned after this
         for t in self._workers:
-            t.join(timeout=max(0.1, end - time.monotonic()))
+            t.join(timeout=max(0.0, stop - time.monotonic()))
         self._through.shutdown(wait=True)
         if self._sync is not None:
             self._sync.join(timeout=max(0.0, end - time.monotonic()))

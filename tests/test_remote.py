@@ -1,0 +1,238 @@
+"""The remote tier against a real S3 HTTP endpoint (moto's server on a local port): config,
+create-only uploads, read-through with verification, degradation when the endpoint is gone or
+silent, leftovers uploaded at the next start, and stock zarr reading a page from the bucket.
+
+Two nodes are two ``KvService`` stacks with separate local stores here; the engine end to end
+in separate processes is ``tests/test_remote_nodes.py``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from gdskv import format as fmt
+from gdskv.config import ConfigError, GdsKvConfig, RemoteConfig, load_config
+from gdskv.keys import chain_keys
+from gdskv.remote import ObjectClient, Outcome
+from gdskv.remote.objects import chunk_key
+from gdskv.service import KvService
+from gdskv.store import GroupSpec, NamespaceSpec
+from gdskv.transfer import LoadStatus, SaveStatus
+from remote_helpers import BUCKET, CREDENTIALS, MotoEndpoint, SilentEndpoint, free_port, remote_table, wait_for
+
+TPB = 4
+PAGE = 4096
+SPEC = NamespaceSpec("remote-test", "float16", TPB, (GroupSpec(0, PAGE, (0, 1)), GroupSpec(1, PAGE // 2, (2,))))
+TOKENS = list(range(1000, 1000 + 10 * TPB + 1))  # 10 full blocks
+KEYS = chain_keys(TOKENS, TPB)
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    ep = MotoEndpoint()
+    yield ep
+    ep.stop()
+
+
+@pytest.fixture(autouse=True)
+def _credentials(monkeypatch):
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+
+
+_prefixes = iter(range(1 << 30))
+
+
+@pytest.fixture
+def prefix():
+    """A fresh key prefix in the shared bucket for each test."""
+    return f"t{next(_prefixes)}"
+
+
+def service(store: str, url: str, prefix: str, transfers: bool = True, **extra) -> KvService:
+    cfg = GdsKvConfig(store_path=store, remote=remote_table(url, prefix, **extra))
+    return KvService(cfg, SPEC, transfers=transfers)
+
+
+def page(key: bytes, group: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int.from_bytes(key[:6], "little") + group)
+    return torch.randint(0, 256, (SPEC.group(group).bytes_per_page,), dtype=torch.uint8, generator=g)
+
+
+def save_all(svc: KvService, keys=KEYS) -> None:
+    futs = [svc.save(g, k, keys[i - 1] if i else None, [page(k, g)]) for i, k in enumerate(keys) for g in (0, 1)]
+    assert all(f.result(timeout=30) is SaveStatus.PUBLISHED for f in futs)
+
+
+def load_ok(svc: KvService, keys) -> bool:
+    for k in keys:
+        for g in (0, 1):
+            buf = torch.empty(SPEC.group(g).bytes_per_page, dtype=torch.uint8)
+            if svc.load(g, k, [buf]).result(timeout=30) is not LoadStatus.LOADED or not torch.equal(buf, page(k, g)):
+                return False
+    return True
+
+
+# --- config ---------------------------------------------------------------------------------------
+
+def test_remote_section_from_toml(tmp_path):
+    f = tmp_path / "g.toml"
+    f.write_text('[gdskv]\nstore_path = "/s"\n[gdskv.remote]\nurl = "s3://my-bucket/kv/prod"\n'
+                 'endpoint = "http://minio:9000"\nupload = "through"\ntimeout = "500ms"\n')
+    rc = load_config(str(f)).remote
+    assert (rc.bucket, rc.prefix, rc.endpoint, rc.upload, rc.timeout) == ("my-bucket", "kv/prod", "http://minio:9000", "through", 0.5)
+    assert GdsKvConfig(store_path="/s").remote is None
+
+
+@pytest.mark.parametrize("table, setting", [
+    ({"url": "http://bucket/x"}, "remote.url"),
+    ({"url": "s3://B_ad"}, "remote.url"),
+    ({"url": "s3://ok-bucket", "upload": "sometimes"}, "remote.upload"),
+    ({"url": "s3://ok-bucket", "timeout": "soon"}, "remote.timeout"),
+    ({"url": "s3://ok-bucket", "timeout": 0}, "remote.timeout"),
+    ({"url": "s3://ok-bucket", "endpoint": "minio:9000"}, "remote.endpoint"),
+    ({"url": "s3://ok-bucket", "concurrency": 0}, "remote.concurrency"),
+    ({"url": "s3://ok-bucket", "bucket_typo": 1}, "remote.bucket_typo"),
+    ({"url": "s3://ok-bucket", "secret_access_key": "x"}, "credentials never go"),
+])
+def test_bad_remote_settings_fail_naming_the_setting(table, setting):
+    with pytest.raises(ConfigError, match=setting):
+        GdsKvConfig(store_path="/s", remote=table)
+
+
+# --- the client: create-only uploads ----------------------------------------------------------------
+
+def test_uploads_are_create_only(endpoint, prefix):
+    client = ObjectClient(RemoteConfig(**remote_table(endpoint.url, prefix)))
+    try:
+        assert client.put_create("x/obj", b"first").outcome is Outcome.OK
+        assert client.put_create("x/obj", b"second").outcome is Outcome.EXISTS
+        assert client.get("x/obj").data == b"first"
+        assert client.get("x/none").outcome is Outcome.MISSING
+    finally:
+        client.close()
+
+
+# --- two nodes, one bucket ----------------------------------------------------------------------------
+
+def test_node_b_reads_through_what_node_a_saved_then_serves_locally(tmp_path, endpoint, prefix):
+    a = service(str(tmp_path / "a"), endpoint.url, prefix)
+    save_all(a)
+    a.close()  # drains the write-behind queue
+    assert a.store is not None
+    objects = endpoint.keys(f"{prefix}/")
+    assert len([k for k in objects if "/c/" in k]) == 2 * len(KEYS)
+    assert f"{prefix}/zarr.json" in objects and f"{prefix}/ns/{SPEC.namespace_id}/g1/zarr.json" in objects
+
+    b_lookup = service(str(tmp_path / "b"), endpoint.url, prefix, transfers=False)
+    found = b_lookup.lookup(TOKENS, None)
+    assert found.num_new_tokens == 10 * TPB
+    assert b_lookup.remote.counters["remote_hits"] == 2 * len(KEYS)
+    b = service(str(tmp_path / "b"), endpoint.url, prefix)
+    assert load_ok(b, KEYS)  # from the local store now
+    again = b_lookup.lookup(TOKENS, None)
+    assert again.num_new_tokens == 10 * TPB and b_lookup.remote.counters["remote_hits"] == 2 * len(KEYS)
+    b.close()
+    b_lookup.close()
+
+
+def test_a_corrupt_object_is_a_counted_miss_and_the_prefix_stops_there(tmp_path, endpoint, prefix, caplog):
+    a = service(str(tmp_path / "a"), endpoint.url, prefix, upload="through")
+    save_all(a)
+    a.close()
+    ns = a.namespace
+    bad = f"{prefix}/{chunk_key(ns, 1, KEYS[6])}"
+    data = bytearray(endpoint.s3.get_object(Bucket=BUCKET, Key=bad)["Body"].read())
+    data[100] ^= 0x40
+    endpoint.s3.put_object(Bucket=BUCKET, Key=bad, Body=bytes(data))
+
+    b = service(str(tmp_path / "b"), endpoint.url, prefix, transfers=False)
+    with caplog.at_level(logging.WARNING, logger="gdskv.remote.tier"):
+        found = b.lookup(TOKENS, None)
+    assert found.num_new_tokens == 6 * TPB
+    assert b.remote.counters["remote_corrupt"] == 1
+    assert "bad-checksum" in caplog.text
+    assert not b.namespace.contains(1, KEYS[6])  # never published locally
+    b.close()
+
+
+# --- a remote that is gone or silent ------------------------------------------------------------------
+
+def test_an_unreachable_endpoint_degrades_to_local_only_with_a_warning(tmp_path, caplog):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    svc = service(str(tmp_path / "a"), url, "p", timeout="1s", drain="200ms")
+    save_all(svc, KEYS[:3])  # saves are never held up by the remote
+    with caplog.at_level(logging.WARNING, logger="gdskv.remote.tier"):
+        t0 = time.monotonic()
+        found = svc.lookup(TOKENS, None)
+        took = time.monotonic() - t0
+    assert found.num_new_tokens == 3 * TPB
+    assert took < 1.0
+    assert svc.remote.counters["remote_unreachable"] >= 1
+    assert "unreachable" in caplog.text
+    t0 = time.monotonic()
+    assert svc.lookup(TOKENS, None).num_new_tokens == 3 * TPB
+    assert time.monotonic() - t0 < 0.2  # marked down: not asked again for retry_after
+    svc.close()
+
+
+def test_a_silent_endpoint_costs_a_lookup_at_most_its_timeout(tmp_path):
+    silent = SilentEndpoint()
+    try:
+        svc = service(str(tmp_path / "a"), silent.url, "p", transfers=False, timeout="300ms")
+        t0 = time.monotonic()
+        found = svc.lookup(TOKENS, None)
+        took = time.monotonic() - t0
+        assert found.num_new_tokens == 0
+        assert took < 0.3 + 0.2, took
+        assert svc.remote.counters["remote_timeouts"] >= 1
+        svc.close()
+    finally:
+        silent.close()
+
+
+def test_write_behind_never_blocks_a_save(tmp_path):
+    silent = SilentEndpoint()
+    try:
+        svc = service(str(tmp_path / "a"), silent.url, "p", timeout="2s", queue=2, drain="100ms")
+        t0 = time.monotonic()
+        save_all(svc)
+        assert time.monotonic() - t0 < 2.0
+        svc.close()
+        assert svc.store is not None and load_ok(KvService(GdsKvConfig(store_path=str(tmp_path / "a")), SPEC), KEYS)
+    finally:
+        silent.close()
+
+
+def test_what_was_not_uploaded_goes_up_at_the_next_start(tmp_path, endpoint, prefix):
+    down = f"http://127.0.0.1:{free_port()}"
+    a = service(str(tmp_path / "a"), down, prefix, drain="100ms")
+    save_all(a)
+    a.close()
+    assert endpoint.keys(f"{prefix}/") == []
+    again = service(str(tmp_path / "a"), endpoint.url, prefix)  # the next start, endpoint back
+    assert wait_for(lambda: len([k for k in endpoint.keys(f"{prefix}/") if "/c/" in k]) == 2 * len(KEYS), 20)
+    again.close()
+    assert again.store is not None
+
+
+# --- stock zarr ---------------------------------------------------------------------------------------
+
+def test_stock_zarr_reads_a_page_from_the_bucket(tmp_path, endpoint, prefix):
+    import zarr
+    from obstore.store import S3Store
+    from zarr.storage import ObjectStore
+
+    a = service(str(tmp_path / "a"), endpoint.url, prefix, upload="through")
+    save_all(a, KEYS[:2])
+    a.close()
+    s3 = S3Store(BUCKET, prefix=prefix, endpoint=endpoint.url, region="us-east-1", client_options={"allow_http": True})
+    root = zarr.open_group(ObjectStore(s3, read_only=True), mode="r")
+    assert "gdskv" in root.attrs
+    arr = root[f"ns/{SPEC.namespace_id}/g0"]
+    hi, lo = fmt.chunk_index(a.namespace.store_key(0, KEYS[1]))
+    got = arr[hi, :PAGE, lo]
+    assert torch.equal(torch.from_numpy(got), page(KEYS[1], 0))
