@@ -23,10 +23,10 @@ import asyncio
 import enum
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Coroutine, Iterator, Optional, Sequence
+from typing import Any, Callable, Coroutine, Iterator, Optional, Sequence
 
 from gdskv.config import RemoteConfig
 
@@ -51,7 +51,8 @@ class Outcome(enum.Enum):
 @dataclass
 class Reply:
     outcome: Outcome
-    data: Optional[bytes] = None
+    data: Any = None
+    """The object's bytes (a buffer: ``memoryview(data)``) when ``OK``."""
     detail: str = ""
 
 
@@ -119,6 +120,7 @@ class ObjectClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="gdskv-remote", daemon=True)
         self._thread.start()
         self._limit: Optional[asyncio.Semaphore] = None
+        self._workers = ThreadPoolExecutor(max_workers=min(rc.concurrency, 8), thread_name_prefix="gdskv-remote-take")
         self._closed = False
 
     # -- running coroutines ----------------------------------------------------------------------
@@ -126,11 +128,11 @@ class ObjectClient:
         """Run ``coro`` on the client's loop; a concurrent future of its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    async def _bounded(self, coro: Coroutine[Any, Any, Reply]) -> Reply:
+    async def _bounded(self, make: Callable[[], Coroutine[Any, Any, Reply]]) -> Reply:
         if self._limit is None:
             self._limit = asyncio.Semaphore(self.rc.concurrency)
         async with self._limit:
-            return await coro
+            return await make()
 
     # -- requests --------------------------------------------------------------------------------
     async def get_async(self, key: str) -> Reply:
@@ -138,7 +140,7 @@ class ObjectClient:
 
         try:
             got = await obstore.get_async(self.store, key)
-            return Reply(Outcome.OK, bytes(await got.bytes_async()))
+            return Reply(Outcome.OK, await got.bytes_async())
         except BaseException as e:  # noqa: BLE001 - every failure is an outcome, never an exception
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -155,14 +157,23 @@ class ObjectClient:
                 raise
             return _classify(e)
 
-    def get_many(self, keys: Sequence[str], timeout: float) -> list[Reply]:
+    def get_many(self, keys: Sequence[str], timeout: float,
+                 then: Optional[Callable[[int, Reply], Any]] = None) -> list[Any]:
         """GET every key at once (``concurrency`` in flight); what has not answered within
-        ``timeout`` seconds is ``UNREACHABLE`` ("timed out")."""
+        ``timeout`` seconds is ``UNREACHABLE`` ("timed out"). With ``then``, each reply is handed
+        to ``then(index, reply)`` on a worker thread as soon as it arrives (so verifying and
+        publishing one object overlaps the transfer of the others), and the list holds what
+        ``then`` returned, or the timed-out reply where it had not returned by the deadline."""
         if not keys:
             return []
+        loop = self._loop
 
-        async def run() -> list[Reply]:
-            tasks = [asyncio.ensure_future(self._bounded(self.get_async(k))) for k in keys]
+        async def one(i: int, key: str) -> Any:
+            reply = await self._bounded(lambda: self.get_async(key))
+            return reply if then is None else await loop.run_in_executor(self._workers, then, i, reply)
+
+        async def run() -> list[Any]:
+            tasks = [asyncio.ensure_future(one(i, k)) for i, k in enumerate(keys)]
             done, pending = await asyncio.wait(tasks, timeout=timeout)
             for t in pending:
                 t.cancel()
@@ -173,10 +184,10 @@ class ObjectClient:
 
     def put_create(self, key: str, data: bytes, timeout: Optional[float] = None) -> Reply:
         """Create ``key`` unless it exists (``If-None-Match: *``): ``OK`` or ``EXISTS``."""
-        return self._wait(self._bounded(self.put_async(key, data)), timeout)
+        return self._wait(self._bounded(lambda: self.put_async(key, data)), timeout)
 
     def get(self, key: str, timeout: Optional[float] = None) -> Reply:
-        return self._wait(self._bounded(self.get_async(key)), timeout)
+        return self._wait(self._bounded(lambda: self.get_async(key)), timeout)
 
     def _wait(self, coro: Coroutine[Any, Any, Reply], timeout: Optional[float]) -> Reply:
         async def run() -> Reply:
@@ -207,6 +218,7 @@ class ObjectClient:
         self._closed = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
 
 class RemoteUnavailable(RuntimeError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from gdskv import checksum
 from gdskv import format as fmt
@@ -38,27 +38,29 @@ def metadata_keys(ns: Namespace) -> list[str]:
     return ["zarr.json", f"ns/{ns.id}/zarr.json"] + [f"ns/{ns.id}/g{g.layer_group_id}/zarr.json" for g in ns.spec.groups]
 
 
-def verify(ns: Namespace, group: int, key: bytes, data: bytes, auth_key: Optional[bytes]) -> Optional[str]:
-    """None when ``data`` is exactly ``key``'s chunk in layer group ``group`` of ``ns``; else why not."""
+def verify(ns: Namespace, group: int, key: bytes, data: Any, auth_key: Optional[bytes]) -> Optional[str]:
+    """None when ``data`` (any buffer) is exactly ``key``'s chunk in layer group ``group`` of
+    ``ns``; else why not."""
     nbytes = ns.spec.group(group).bytes_per_page
-    if len(data) != nbytes + fmt.TRAILER_BYTES:
+    view = memoryview(data).cast("B")
+    if view.nbytes != nbytes + fmt.TRAILER_BYTES:
         return "bad-size"
-    view = memoryview(data)
     return checksum.check_host(view[nbytes:], view[:nbytes], group=group, store_key=ns.store_key(group, key),
                                block_key=key, nbytes=nbytes, auth_key=auth_key)
 
 
-def parent_of(data: bytes) -> Optional[bytes]:
+def parent_of(data: Any) -> Optional[bytes]:
     """The parent block key a verified chunk's trailer records."""
-    return fmt.unpack(data[-fmt.TRAILER_BYTES:]).parent_key
+    return fmt.unpack(memoryview(data).cast("B")[-fmt.TRAILER_BYTES:]).parent_key
 
 
-def publish(ns: Namespace, group: int, key: bytes, data: bytes) -> bool:
+def publish(ns: Namespace, group: int, key: bytes, data: Any) -> bool:
     """Write a verified chunk into the local store atomically (temp file, then rename, inside its
     confined directory). False when the byte budget refuses it; ``OSError`` when the store
     cannot take it (the caller counts a miss)."""
     store = ns.store
-    nbytes = len(data)
+    data = memoryview(data).cast("B")
+    nbytes = data.nbytes
     parent = parent_of(data)
     if store.budget is not None and not store.budget.admit(ns, group, nbytes, parent):
         return False
@@ -69,7 +71,7 @@ def publish(ns: Namespace, group: int, key: bytes, data: bytes) -> bool:
                      store.fs.file_mode)
         try:
             try:
-                view = memoryview(data)
+                view = data
                 while view:
                     view = view[os.write(fd, view):]
                 os.fchmod(fd, store.fs.file_mode)

@@ -19,10 +19,10 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from gdskv.config import RemoteConfig
-from gdskv.remote.client import ObjectClient, Outcome
+from gdskv.remote.client import ObjectClient, Outcome, Reply
 from gdskv.remote.objects import chunk_key, publish, verify
 from gdskv.remote.upload import Uploader
 from gdskv.store import Counters, Namespace
@@ -109,32 +109,28 @@ class RemoteTier:
         now = time.monotonic()
         with self._lock:
             ask = [k for k in keys if self._negative.get((ns.id, group, k), 0.0) <= now]
-        skip = set(keys) - set(ask)
-        replies = dict(zip(ask, self.client.get_many([chunk_key(ns, group, k) for k in ask], timeout)))
-        out = []
-        for k in keys:
-            if k in skip:
-                out.append(False)
-                continue
-            r = replies[k]
-            if r.outcome is Outcome.OK:
-                out.append(self._take(ns, group, k, r.data))
-            elif r.outcome is Outcome.MISSING:
-                self._count(ns, "remote_misses")
-                self._remember_miss(ns, group, k)
-                out.append(False)
-            elif r.outcome is Outcome.REFUSED:
-                self._count(ns, "remote_refused")
-                self._remember_miss(ns, group, k)
-                out.append(False)
-            else:
-                if r.detail == "timed out":
-                    self._count(ns, "remote_timeouts")
-                self.unreachable(ns, r.detail)
-                out.append(False)
-        return out
+        took = self.client.get_many([chunk_key(ns, group, k) for k in ask], timeout,
+                                    then=lambda i, r: self._settle(ns, group, ask[i], r))
+        got = {k: t is True for k, t in zip(ask, took)}
+        for t in took:
+            if isinstance(t, Reply):  # not settled by the deadline
+                self._count(ns, "remote_timeouts")
+                self.unreachable(ns, t.detail)
+                break
+        return [got.get(k, False) for k in keys]
 
-    def _take(self, ns: Namespace, group: int, key: bytes, data: bytes) -> bool:
+    def _settle(self, ns: Namespace, group: int, key: bytes, r: Reply) -> bool:
+        """One reply of a read-through (on a client worker thread): whether ``key`` is local now."""
+        if r.outcome is Outcome.OK:
+            return self._take(ns, group, key, r.data)
+        if r.outcome in (Outcome.MISSING, Outcome.REFUSED):
+            self._count(ns, "remote_misses" if r.outcome is Outcome.MISSING else "remote_refused")
+            self._remember_miss(ns, group, key)
+        else:
+            self.unreachable(ns, r.detail)
+        return False
+
+    def _take(self, ns: Namespace, group: int, key: bytes, data: Any) -> bool:
         """Verify a fetched object and publish it locally; whether it is now local."""
         reason = verify(ns, group, key, data, self.auth_key)
         if reason is not None:
@@ -152,7 +148,7 @@ class RemoteTier:
             log.warning("gdskv: could not publish remote chunk %s locally: %s", chunk_key(ns, group, key), e)
             return False
         self._count(ns, "remote_hits")
-        self._count(ns, "bytes_remote_read", len(data))
+        self._count(ns, "bytes_remote_read", memoryview(data).nbytes)
         return True
 
     def _remember_miss(self, ns: Namespace, group: int, key: bytes) -> None:
