@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import human_bytes, open_existing, print_json
 from gdskv.eviction import Limits, disk_usage, scan_store
 from gdskv.io import make_engine
@@ -66,9 +67,12 @@ def gather(ctx: click.Context) -> dict[str, Any]:
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--remote", is_flag=True, help="The bucket of [gdskv.remote] instead of the local store.")
 @click.pass_context
-def info(ctx: click.Context, as_json: bool) -> None:
+def info(ctx: click.Context, as_json: bool, remote: bool) -> None:
     """Store path, format, I/O engine, namespaces with chunk counts and bytes, budget and free space."""
+    if remote:
+        return remote_views.info(ctx, as_json)
     try:
         rep = gather(ctx)
     except (OSError, ValueError) as e:  # one line, never a traceback

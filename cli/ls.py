@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import human_age, human_bytes, open_existing, parse_duration, print_json
 from gdskv.cli.evict import selected_ids
 from gdskv.eviction import read_trailer, scan_store
@@ -26,9 +27,13 @@ from gdskv.eviction import read_trailer, scan_store
 @click.option("--older-than", "older_than", default=None, help="Only chunks last used longer ago than this (e.g. 7d, 12h).")
 @click.option("--limit", type=int, default=50, show_default=True, help="Most rows to print (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+@click.option("--remote", is_flag=True, help="The objects in the bucket of [gdskv.remote] (--older-than does not apply).")
 @click.pass_context
-def ls(ctx: click.Context, namespace: Optional[str], group: Optional[int], older_than: Optional[str], limit: int, as_json: bool) -> None:
+def ls(ctx: click.Context, namespace: Optional[str], group: Optional[int], older_than: Optional[str], limit: int, as_json: bool,
+       remote: bool) -> None:
     """Chunks with namespace, group, key prefix, size and last use, sorted by recency."""
+    if remote:
+        return remote_views.ls(ctx, namespace, group, limit, as_json)
     try:
         _ls(ctx, namespace, group, older_than, limit, as_json)
     except (OSError, ValueError) as e:  # one line, never a traceback

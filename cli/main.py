@@ -15,6 +15,8 @@ from gdskv.cli.gc import gc
 from gdskv.cli.info import info
 from gdskv.cli.ls import ls
 from gdskv.cli.prewarm import prewarm
+from gdskv.cli.pull import pull
+from gdskv.cli.push import push
 from gdskv.cli.stats import stats
 from gdskv.cli.verify import verify
 
@@ -40,7 +42,7 @@ def main(ctx: click.Context, store_path: str | None, verbose: int) -> None:
     ctx.obj["store_path"] = store_path
 
 
-for command in (info, ls, stats, verify, evict, gc, prewarm, bench, demo):
+for command in (info, ls, stats, verify, evict, gc, prewarm, push, pull, bench, demo):
     main.add_command(command)
 
 

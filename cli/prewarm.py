@@ -36,6 +36,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gdskv.cli._common import UsageProblem, config_of, human_bytes, print_json
+from gdskv.cli._remote import remote_client
+from gdskv.cli.push import push_namespaces_of
 from gdskv.config import GdsKvConfig
 
 REFERENCE_TOKENS_PER_BLOCK = 16
@@ -506,11 +508,14 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
 @click.option("--cache-salt", "cache_salt", default=None, help="Cache salt mixed into every block key (reference engine).")
 @click.option("--max-prompt-tokens", "max_tokens", type=click.IntRange(1), default=4096, show_default=True, help="Longer prompts are skipped.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--remote", is_flag=True, help="Then push the store's namespaces to [gdskv.remote], so a fleet is warmed once.")
 @click.pass_context
 def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Optional[str], tokenizer: Optional[str],
-            cache_salt: Optional[str], max_tokens: int, as_json: bool) -> None:
+            cache_salt: Optional[str], max_tokens: int, as_json: bool, remote: bool) -> None:
     """Prefill prompts from files through an engine with the connector, so their KV is stored."""
     cfg = config_of(ctx)
+    if remote:
+        remote_client(ctx)[1].close()  # no [gdskv.remote]: a usage error before any prompt runs
     items = read_prompts(prompts)  # before the store: a usage error here creates no store
     runner = _runner(engine, cfg, model, tokenizer, max_tokens, cache_salt)
     summary = Summary(engine, prompts=len(items), blocks_present=0 if engine == "reference" else None)
@@ -535,8 +540,14 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
     finally:
         runner.close()
     summary.seconds = time.perf_counter() - t_all
+    pushed = None
+    if remote:
+        from gdskv.store import PageStore
+
+        store = PageStore.from_config(cfg, create=False)
+        pushed = push_namespaces_of(ctx, [store.namespace(ns.spec) for ns in store.namespaces()])
     if as_json:
-        print_json(asdict(summary))
+        print_json(asdict(summary) | ({"remote": pushed[0]} if pushed else {}))
     else:
         out_console = Console()
         if summary.failed:
@@ -549,5 +560,7 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
         present = "" if summary.blocks_present is None else f", {summary.blocks_present} blocks already present"
         out_console.print(f"{summary.done} of {summary.prompts} prompts done: {summary.blocks_written} blocks written{present}, "
                           f"{human_bytes(summary.bytes_written)} in {summary.seconds:.1f} s ({engine} engine)")
-    if summary.failed:
+        if pushed:
+            out_console.print(pushed[2], highlight=False)
+    if summary.failed or (pushed and not pushed[1]):
         ctx.exit(1)

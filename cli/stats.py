@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import human_bytes, open_existing, print_json
 from gdskv.store import PRIVATE_DIR, PageStore
 
@@ -43,9 +44,12 @@ def summed(store: PageStore) -> dict[str, Any]:
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the sums as JSON.")
+@click.option("--remote", is_flag=True, help="The bucket of [gdskv.remote]: chunks per namespace and the remote-tier counters.")
 @click.pass_context
-def stats(ctx: click.Context, as_json: bool) -> None:
+def stats(ctx: click.Context, as_json: bool, remote: bool) -> None:
     """Hit, miss, byte, eviction, drop and corruption counters, per namespace, over all processes."""
+    if remote:
+        return remote_views.stats(ctx, as_json, summed)
     _, store = open_existing(ctx)
     rep = summed(store)
     rep["models"] = {ns.id: ns.spec.model for ns in store.namespaces()}

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from gdskv import checksum
 from gdskv import format as fmt
+from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import auth_key_of, open_existing, print_json, select_namespaces
 from gdskv.confined import NotRegularFileError, OutsideStoreError
 from gdskv.store import ArrayDir, ChunkEntry, Namespace
@@ -79,9 +80,14 @@ def check_entry(array: ArrayDir, entry: ChunkEntry, auth_key: Optional[bytes] = 
 @click.option("--namespace", "namespace", default=None, help="Namespace id (or a prefix of it) or model name.")
 @click.option("--threads", type=click.IntRange(1, 64), default=4, show_default=True, help="Chunks checked in parallel.")
 @click.option("--json", "as_json", is_flag=True, help="Print the counts and bad chunks as JSON.")
+@click.option("--remote", is_flag=True, help="Check the objects in the bucket of [gdskv.remote] (read-only: --repair does not apply).")
 @click.pass_context
-def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: int, as_json: bool) -> None:
+def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: int, as_json: bool, remote: bool) -> None:
     """Re-check every chunk's checksum and key; exit 1 when any is bad."""
+    if remote:
+        if repair:
+            raise click.UsageError("--repair works on the local store only; a bad remote object is a miss for every reader")
+        return remote_views.verify(ctx, namespace, as_json)
     cfg, store = open_existing(ctx)
     auth_key = auth_key_of(cfg)
     chosen = None if namespace is None else select_namespaces(store, namespace)

@@ -166,26 +166,33 @@ class Uploader:
         return True
 
     # -- leftovers ---------------------------------------------------------------------------------
-    def sync(self, namespaces: Sequence[Namespace]) -> int:
-        """Upload every local chunk of ``namespaces`` the remote lacks; how many went up."""
+    def sync(self, namespaces: Sequence[Namespace], threads: int = 1) -> int:
+        """Upload every local chunk of ``namespaces`` the remote lacks (``threads`` at a time);
+        how many went up."""
         sent = 0
-        for ns in namespaces:
-            try:
-                there = {o.key for o in self.client.list(f"ns/{ns.id}/")}
-            except RemoteUnavailable as e:
-                self._health.unreachable(ns, str(e))
-                return sent
-            for array in ns.store.arrays([ns]):
-                for e in ns.store.chunk_entries(array, with_stat=False):
-                    rel = f"ns/{ns.id}/g{array.group}/c/{e.hi}/0/{e.name}"
-                    if not e.is_chunk or rel in there:
-                        continue
-                    if self._closing or not self._health.reachable:
-                        return sent
-                    if self.upload_rel(ns, array.group, rel) is Outcome.OK:
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-upload-sync") as pool:
+            for ns in namespaces:
+                try:
+                    there = {o.key for o in self.client.list(f"ns/{ns.id}/")}
+                except RemoteUnavailable as e:
+                    self._health.unreachable(ns, str(e))
+                    return sent
+                todo = [(array.group, f"ns/{ns.id}/g{array.group}/c/{e.hi}/0/{e.name}")
+                        for array in ns.store.arrays([ns]) for e in ns.store.chunk_entries(array, with_stat=False)
+                        if e.is_chunk]
+                todo = [(g, rel) for g, rel in todo if rel not in there]
+                for outcome in pool.map(lambda t: self._leftover(ns, *t), todo):
+                    if outcome is Outcome.OK:
                         sent += 1
-                        self._count(ns, "remote_leftovers_uploaded", 1)
         return sent
+
+    def _leftover(self, ns: Namespace, group: int, rel: str) -> Optional[Outcome]:
+        if self._closing or not self._health.reachable:
+            return None
+        outcome = self.upload_rel(ns, group, rel)
+        if outcome is Outcome.OK:
+            self._count(ns, "remote_leftovers_uploaded", 1)
+        return outcome
 
     def sync_in_background(self, namespaces: Sequence[Namespace]) -> None:
         self._sync = threading.Thread(target=self._sync_logged, args=(list(namespaces),), name="gdskv-upload-leftovers",

@@ -1,0 +1,51 @@
+"""``gdskv pull [--namespace NS]``: fetch the remote's chunks that the local store lacks.
+
+Each object is verified exactly as a read-through verifies it (trailer, layer group, store and
+block key, its place in the array, size, checksum, MAC where a chunk key is configured) before it
+is published into the local store atomically; a bad object is counted and left out. Namespaces
+come from the bucket's ``zarr.json`` documents (created locally when new). Exit codes: 0 pulled,
+1 bad objects or failures, 2 usage (no ``[gdskv.remote]``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+from rich.console import Console
+
+from gdskv.cli._common import UsageProblem, auth_key_of, config_of, print_json
+from gdskv.cli._remote import namespace_filter, remote_client
+from gdskv.remote import RemoteUnavailable
+from gdskv.remote.copy import pull as pull_namespaces
+from gdskv.store import PageStore, StoreError
+
+
+@click.command()
+@click.option("--namespace", "namespace", default=None, help="Namespace id (or a prefix of it) or model name; default all.")
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+@click.pass_context
+def pull(ctx: click.Context, namespace: Optional[str], as_json: bool) -> None:
+    """Download remote chunks the local store lacks (verified, published atomically)."""
+    cfg = config_of(ctx)
+    try:
+        store = PageStore.from_config(cfg)  # like prewarm, pull may make the store
+    except (StoreError, OSError) as e:
+        raise UsageProblem(f"{e}; refusing to touch it. Pass --store PATH or set GDSKV_STORE.") from None
+    _, client = remote_client(ctx)
+    try:
+        rep = pull_namespaces(store, client, auth_key_of(cfg), namespace_filter(namespace))
+    except RemoteUnavailable as e:
+        raise click.ClickException(f"pull: remote {cfg.remote.url}: {e}") from None
+    finally:
+        client.close()
+    store.flush_stats()
+    counts = dict(sorted(rep.counts.items()))
+    failed = sum(v for k, v in counts.items() if k not in ("pulled", "present"))
+    if as_json:
+        print_json({"remote": cfg.remote.url, "store": str(store.root), "counts": counts})
+    else:
+        Console().print(f"pulled {counts.get('pulled', 0)} chunk(s) from {cfg.remote.url} into {store.root}; "
+                        f"{counts.get('present', 0)} already here"
+                        + "".join(f", {v} {k}" for k, v in counts.items() if k not in ("pulled", "present")), highlight=False)
+    if failed:
+        ctx.exit(1)

@@ -1,0 +1,54 @@
+"""``gdskv push [--namespace NS]``: upload the local store's chunks that the remote lacks.
+
+Create-only (``If-None-Match: *``): an object already in the bucket is never replaced. Every chunk
+is verified before it goes up (a chunk damaged on local disk stays here), and its namespace's
+``zarr.json`` documents go first, so the bucket is a Zarr hierarchy stock zarr opens. Exit codes:
+0 pushed, 1 the remote was unreachable or refused uploads, 2 usage (no store, no
+``[gdskv.remote]``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+from rich.console import Console
+
+from gdskv.cli._common import auth_key_of, open_existing, print_json, select_namespaces
+from gdskv.cli._remote import remote_client
+from gdskv.remote.copy import push as push_namespaces
+
+
+def push_namespaces_of(ctx: click.Context, namespaces: list) -> tuple[dict, bool, str]:
+    """Push ``namespaces``: (counts for ``--json``, whether everything went up, one line for
+    people). Also called by ``gdskv prewarm --remote``."""
+    cfg, client = remote_client(ctx)
+    try:
+        rep = push_namespaces(namespaces, client, cfg.remote, auth_key_of(cfg))
+    finally:
+        client.close()
+    c = rep.counts
+    out = {"remote": cfg.remote.url, "namespaces": [ns.id for ns in namespaces], "uploaded": c["remote_uploaded"],
+           "already_there": c["remote_upload_exists"], "skipped": c["remote_upload_skipped"],
+           "refused": c["remote_upload_refused"], "failed": c["remote_upload_failed"], "unreachable": rep.unreachable or None}
+    line = (f"pushed {out['uploaded']} chunk(s) of {len(namespaces)} namespace(s) to {out['remote']}; "
+            f"{out['already_there']} already there, {out['skipped']} skipped (gone or unsound locally)"
+            + (f", {out['refused']} refused" if out["refused"] else "")
+            + (f"; remote unreachable: {rep.unreachable}" if rep.unreachable else ""))
+    return out, not (rep.unreachable or out["refused"] or out["failed"]), line
+
+
+@click.command()
+@click.option("--namespace", "namespace", default=None, help="Namespace id (or a prefix of it) or model name; default all.")
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+@click.pass_context
+def push(ctx: click.Context, namespace: Optional[str], as_json: bool) -> None:
+    """Upload local chunks the remote lacks (create-only, verified first)."""
+    _, store = open_existing(ctx)
+    chosen = select_namespaces(store, namespace)
+    out, ok, line = push_namespaces_of(ctx, [store.namespace(ns.spec) for ns in chosen])
+    if as_json:
+        print_json(out)
+    else:
+        Console().print(line, highlight=False)
+    if not ok:
+        ctx.exit(1)

@@ -1,0 +1,209 @@
+"""Whole-namespace copies between the local store and the remote, and what the bucket holds.
+
+- ``push``: every local chunk of the chosen namespaces that the remote lacks goes up
+  (create-only, verified first, metadata first) — ``gdskv push``, and ``gdskv prewarm --remote``
+  after its prompts ran, so a fleet is warmed once;
+- ``pull``: every remote chunk of the chosen namespaces that the local store lacks comes down,
+  verified like a read-through, published atomically — ``gdskv pull``;
+- ``inventory`` / ``verify_remote``: the bucket's namespaces (from their ``zarr.json``), chunk
+  counts and bytes per layer group, and a check of every remote chunk — ``gdskv info|ls|stats|verify
+  --remote``.
+
+Called by the CLI only; everything goes through ``ObjectClient`` (no other S3 code).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from gdskv import format as fmt
+from gdskv.config import RemoteConfig
+from gdskv.remote.client import ObjectClient, ObjectInfo, Outcome, Reply
+from gdskv.remote.objects import chunk_key, publish, verify
+from gdskv.remote.upload import Uploader
+from gdskv.store import NAMESPACE_ATTR, NAMESPACE_ID, Namespace, NamespaceSpec, PageStore
+
+GET_BATCH = 256
+"""Objects fetched per batch by ``pull`` and ``verify_remote``."""
+
+
+class _Health:
+    """For a one-shot copy: the remote is reachable until a request says otherwise."""
+
+    def __init__(self) -> None:
+        self.reachable = True
+        self.detail = ""
+
+    def unreachable(self, ns: Optional[Namespace], detail: str) -> None:
+        self.reachable = False
+        self.detail = detail
+
+
+@dataclass
+class CopyReport:
+    """What a push or pull did, per outcome."""
+
+    counts: Counter = field(default_factory=Counter)
+    unreachable: str = ""
+
+    def add(self, ns: Optional[Namespace], name: str, n: int = 1) -> None:
+        with _lock:
+            self.counts[name] += n
+
+
+_lock = threading.Lock()
+
+
+def push(namespaces: Sequence[Namespace], client: ObjectClient, rc: RemoteConfig, auth_key: Optional[bytes]) -> CopyReport:
+    """Upload what ``namespaces`` hold locally and the remote lacks."""
+    report, health = CopyReport(), _Health()
+    up = Uploader(client, rc, auth_key, report.add, health, threads=1)
+    try:
+        up.sync(namespaces, threads=min(rc.concurrency, 16))
+    finally:
+        up.close()
+    report.unreachable = health.detail
+    return report
+
+
+@dataclass
+class RemoteNamespace:
+    """A namespace found in the bucket: its spec, or why its metadata is unusable."""
+
+    id: str
+    spec: Optional[NamespaceSpec]
+    damaged: Optional[str] = None
+    chunks: dict[int, list[ObjectInfo]] = field(default_factory=dict)
+    """Chunk objects per layer group (filled by ``inventory``)."""
+
+
+def namespaces(client: ObjectClient) -> list[RemoteNamespace]:
+    """Every namespace whose group document the bucket holds (``ns/<id>/zarr.json``)."""
+    out = []
+    for o in client.list("ns/"):
+        parts = o.key.split("/")
+        if len(parts) != 3 or parts[2] != "zarr.json" or not NAMESPACE_ID.match(parts[1]):
+            continue
+        out.append(_parse_namespace(parts[1], client.get(o.key, timeout=max(client.rc.timeout, 5.0))))
+    return out
+
+
+def _parse_namespace(ns_id: str, reply: Reply) -> RemoteNamespace:
+    if reply.outcome is not Outcome.OK:
+        return RemoteNamespace(ns_id, None, f"metadata unreadable ({reply.outcome.value} {reply.detail})".strip())
+    try:
+        doc = json.loads(bytes(reply.data))
+        spec = NamespaceSpec.from_json(doc["attributes"][NAMESPACE_ATTR])
+    except (ValueError, KeyError, TypeError) as e:
+        return RemoteNamespace(ns_id, None, f"metadata: {e}")
+    if spec.namespace_id != ns_id:
+        return RemoteNamespace(ns_id, None, f"metadata describes namespace {spec.namespace_id}, not {ns_id}")
+    return RemoteNamespace(ns_id, spec)
+
+
+def inventory(client: ObjectClient, wanted: Optional[Callable[[RemoteNamespace], bool]] = None) -> list[RemoteNamespace]:
+    """The bucket's namespaces with their chunk objects per layer group."""
+    found = [n for n in namespaces(client) if wanted is None or wanted(n)]
+    for n in found:
+        for o in client.list(f"ns/{n.id}/"):
+            parts = o.key.split("/")  # ns/<id>/g<gid>/c/<hi>/0/<lo>
+            if len(parts) == 7 and parts[3] == "c" and parts[2][1:].isdigit():
+                n.chunks.setdefault(int(parts[2][1:]), []).append(o)
+    return found
+
+
+def pull(store: PageStore, client: ObjectClient, auth_key: Optional[bytes],
+         wanted: Optional[Callable[[RemoteNamespace], bool]] = None) -> CopyReport:
+    """Fetch, verify and publish locally every remote chunk of the chosen namespaces that the
+    local store lacks."""
+    report = CopyReport()
+    for n in inventory(client, wanted):
+        if n.spec is None:
+            report.add(None, "damaged_namespaces")
+            continue
+        ns = store.namespace(n.spec)
+        for group, objs in sorted(n.chunks.items()):
+            if group not in {g.layer_group_id for g in n.spec.groups}:
+                report.add(ns, "skipped")
+                continue
+            todo = [o.key for o in objs if not _local(ns, o.key)]
+            report.add(ns, "present", len(objs) - len(todo))
+            for start in range(0, len(todo), GET_BATCH):
+                batch = todo[start:start + GET_BATCH]
+                took = client.get_many(batch, timeout=max(60.0, client.rc.timeout),
+                                       then=lambda i, r: _take_pulled(ns, group, batch[i], r, auth_key))
+                for outcome in took:
+                    report.add(ns, outcome.outcome.value if isinstance(outcome, Reply) else outcome)
+    return report
+
+
+def _local(ns: Namespace, rel: str) -> bool:
+    try:
+        return ns.store.fs.lstat(rel).st_size == ns.chunk_nbytes(int(rel.split("/")[2][1:]))
+    except OSError:
+        return False
+
+
+def check_object(ns: Namespace, group: int, rel: str, data: Any, auth_key: Optional[bytes]) -> tuple[Optional[str], bytes]:
+    """(None, block key) when the object at ``rel`` is a sound chunk that belongs there; else (why, b"")."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < fmt.TRAILER_BYTES:
+        return "truncated", b""
+    try:
+        key = fmt.unpack(view[-fmt.TRAILER_BYTES:]).block_key
+    except fmt.ChunkFormatError:
+        return "bad-trailer", b""
+    if chunk_key(ns, group, key) != rel:
+        return "foreign-key", b""
+    return verify(ns, group, key, view, auth_key), key
+
+
+def _take_pulled(ns: Namespace, group: int, rel: str, r: Reply, auth_key: Optional[bytes]) -> str:
+    if r.outcome is not Outcome.OK:
+        return r.outcome.value
+    why, key = check_object(ns, group, rel, r.data, auth_key)
+    if why is not None:
+        return f"bad ({why})"
+    try:
+        return "pulled" if publish(ns, group, key, r.data) else "dropped (budget)"
+    except OSError:
+        return "failed (local store)"
+
+
+def verify_remote(client: ObjectClient, auth_key: Optional[bytes],
+                  wanted: Optional[Callable[[RemoteNamespace], bool]] = None) -> dict[str, Any]:
+    """GET and check every chunk object of the chosen namespaces; counts per reason and the bad ones."""
+    counts: Counter = Counter()
+    bad: list[dict[str, Any]] = []
+    for n in inventory(client, wanted):
+        if n.spec is None:
+            counts["damaged-namespace"] += sum(len(v) for v in n.chunks.values())
+            bad.append({"namespace": n.id, "reason": f"damaged namespace: {n.damaged}"})
+            continue
+        ns = _Detached(n.spec)
+        for group, objs in sorted(n.chunks.items()):
+            keys = [o.key for o in objs]
+            for start in range(0, len(keys), GET_BATCH):
+                batch = keys[start:start + GET_BATCH]
+                took = client.get_many(batch, timeout=max(60.0, client.rc.timeout),
+                                       then=lambda i, r: r.outcome.value if r.outcome is not Outcome.OK
+                                       else check_object(ns, group, batch[i], r.data, auth_key)[0])
+                for rel, why in zip(batch, took):
+                    why = why.outcome.value if isinstance(why, Reply) else why
+                    counts[why or "ok"] += 1
+                    if why is not None:
+                        bad.append({"namespace": n.id, "group": group, "key": rel, "reason": why})
+    return {"checked": sum(counts.values()), "ok": counts["ok"], "bad": len(bad),
+            "reasons": {k: v for k, v in counts.items() if k != "ok"}, "bad_objects": bad}
+
+
+class _Detached(Namespace):
+    """A namespace of no local store: only its keys and geometry (for checking remote objects)."""
+
+    def __init__(self, spec: NamespaceSpec) -> None:
+        self.spec = spec
+        self.id = spec.namespace_id
+        self._array_dirs = {g.layer_group_id: f"ns/{self.id}/g{g.layer_group_id}" for g in spec.groups}

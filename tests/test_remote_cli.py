@@ -1,0 +1,91 @@
+"""``gdskv push | pull`` and ``info | ls | stats | verify --remote`` against moto's S3 server."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gdskv.cli.main import main
+from gdskv.config import GdsKvConfig
+from gdskv.keys import chain_keys
+from gdskv.remote.objects import chunk_key
+from gdskv.service import KvService
+from gdskv.store import GroupSpec, NamespaceSpec, PageStore
+from remote_helpers import BUCKET, CREDENTIALS, MotoEndpoint
+
+SPEC = NamespaceSpec("remote-cli", "float16", 4, (GroupSpec(0, 2048, (0,)),))
+KEYS = chain_keys(list(range(6 * 4 + 1)), 4)
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    ep = MotoEndpoint()
+    yield ep
+    ep.stop()
+
+
+@pytest.fixture
+def config(tmp_path, endpoint, monkeypatch):
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    f = tmp_path / "gdskv.toml"
+    f.write_text(f'[gdskv]\n[gdskv.remote]\nurl = "s3://{BUCKET}/cli-{tmp_path.name}"\nendpoint = "{endpoint.url}"\n'
+                 f'upload = "off"\n')
+    monkeypatch.setenv("GDSKV_CONFIG", str(f))
+    return f
+
+
+def gdskv(store, *args: str):
+    return CliRunner().invoke(main, ["--store", str(store), *args], catch_exceptions=False)
+
+
+def local_store(path) -> KvService:
+    svc = KvService(GdsKvConfig(store_path=str(path)), SPEC)
+    g = torch.Generator().manual_seed(5)
+    for i, k in enumerate(KEYS):
+        assert svc.save(0, k, KEYS[i - 1] if i else None, [torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=g)]).result()
+    svc.close()
+    return svc
+
+
+def test_push_then_inspect_verify_and_pull_the_bucket(tmp_path, config, endpoint):
+    a = local_store(tmp_path / "a")
+    r = gdskv(tmp_path / "a", "push", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["uploaded"] == len(KEYS)
+    again = json.loads(gdskv(tmp_path / "a", "push", "--json").output)
+    assert again["uploaded"] == 0  # create-only: nothing replaced, nothing sent twice
+
+    info = json.loads(gdskv(tmp_path / "a", "info", "--remote", "--json").output)
+    assert info["chunks"] == len(KEYS) and info["namespaces"][0]["model"] == "remote-cli"
+    ls = json.loads(gdskv(tmp_path / "a", "ls", "--remote", "--json", "--limit", "2").output)
+    assert ls["total"] == len(KEYS) and len(ls["objects"]) == 2
+    assert gdskv(tmp_path / "a", "verify", "--remote").exit_code == 0
+
+    prefix = f"cli-{tmp_path.name}"
+    bad = f"{prefix}/{chunk_key(a.namespace, 0, KEYS[2])}"
+    body = bytearray(endpoint.s3.get_object(Bucket=BUCKET, Key=bad)["Body"].read())
+    body[7] ^= 1
+    endpoint.s3.put_object(Bucket=BUCKET, Key=bad, Body=bytes(body))
+    r = gdskv(tmp_path / "a", "verify", "--remote", "--json")
+    assert r.exit_code == 1 and json.loads(r.output)["reasons"] == {"bad-checksum": 1}
+
+    r = gdskv(tmp_path / "b", "pull", "--json")
+    assert r.exit_code == 1, r.output  # the bad object is counted and left out
+    counts = json.loads(r.output)["counts"]
+    assert counts == {"pulled": len(KEYS) - 1, "present": 0, "bad (bad-checksum)": 1}
+    (ns,) = PageStore.open(tmp_path / "b", create=False).namespaces()
+    assert ns.contains_many(0, KEYS) == [True, True, False, True, True, True]
+    assert gdskv(tmp_path / "b", "verify").exit_code == 0
+    stats = json.loads(gdskv(tmp_path / "b", "stats", "--remote", "--json").output)
+    assert stats["namespaces"][SPEC.namespace_id]["chunks"] == len(KEYS)
+
+
+def test_remote_commands_without_a_remote_are_usage_errors(tmp_path, monkeypatch):
+    local_store(tmp_path / "a")
+    monkeypatch.delenv("GDSKV_CONFIG", raising=False)
+    for args in (("push",), ("pull",), ("info", "--remote"), ("verify", "--remote")):
+        r = gdskv(tmp_path / "a", *args)
+        assert r.exit_code == 2 and "no [gdskv.remote]" in r.output, (args, r.output)
