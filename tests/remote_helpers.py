@@ -33,11 +33,11 @@ def free_port() -> int:
 class MotoEndpoint:
     """moto's S3 server (real HTTP, real S3 protocol) on 127.0.0.1; ``stop``/``start`` to take it away."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: Optional[int] = None) -> None:
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self._server.start()

@@ -219,6 +219,21 @@ def test_what_was_not_uploaded_goes_up_at_the_next_start(tmp_path, endpoint, pre
     assert again.store is not None
 
 
+def test_what_was_missed_goes_up_once_the_remote_answers_again(tmp_path, prefix):
+    port = free_port()  # nothing listens there yet
+    svc = service(str(tmp_path / "a"), f"http://127.0.0.1:{port}", prefix, retry_after="300ms", drain="5s")
+    save_all(svc, KEYS[:4])
+    assert wait_for(lambda: svc.remote.counters["remote_upload_failed"] >= 1, 5)
+    late = MotoEndpoint(port)  # the remote comes back while the service runs
+    try:
+        time.sleep(0.4)  # past retry_after
+        save_all(svc, KEYS[4:6])  # the next upload finds it answering: what was missed goes up too
+        assert wait_for(lambda: len([k for k in late.keys(f"{prefix}/") if "/c/" in k]) == 2 * 6, 20)
+        svc.close()
+    finally:
+        late.stop()
+
+
 # --- stock zarr ---------------------------------------------------------------------------------------
 
 def test_stock_zarr_reads_a_page_from_the_bucket(tmp_path, endpoint, prefix):

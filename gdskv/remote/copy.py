@@ -110,7 +110,8 @@ def inventory(client: ObjectClient, wanted: Optional[Callable[[RemoteNamespace],
     for n in found:
         for o in client.list(f"ns/{n.id}/"):
             parts = o.key.split("/")  # ns/<id>/g<gid>/c/<hi>/0/<lo>
-            if len(parts) == 7 and parts[3] == "c" and parts[2][1:].isdigit():
+            if (len(parts) == 7 and parts[2][:1] == "g" and parts[2][1:].isdigit() and parts[3] == "c"
+                    and parts[4].isdigit() and parts[5] == "0" and parts[6].isdigit()):
                 n.chunks.setdefault(int(parts[2][1:]), []).append(o)
     return found
 

@@ -64,7 +64,7 @@ class RemoteTier:
         self._count(ns, "remote_unreachable")
         if was_up:
             log.warning("gdskv: remote %s (endpoint %s) unreachable (%s); serving from the local store only, "
-                        "retrying in %.0f s", self.rc.url, self.rc.endpoint or "AWS S3", detail, self.rc.retry_after)
+                        "retrying in %.1f s", self.rc.url, self.rc.endpoint or "AWS S3", detail, self.rc.retry_after)
 
     def _count(self, ns: Optional[Namespace], name: str, n: int = 1) -> None:
         self.counters.add(name, n)

@@ -63,6 +63,9 @@ class Uploader:
         self._through = ThreadPoolExecutor(max_workers=min(rc.concurrency, 8), thread_name_prefix="gdskv-upload-through")
         self._sync: Optional[threading.Thread] = None
         self._put_timeout = max(rc.timeout, UPLOAD_TIMEOUT)
+        self._missed = False
+        """Uploads were skipped or failed for want of an answer since the last pass over the store."""
+        self._namespaces: list[Namespace] = []
 
     # -- entry points ------------------------------------------------------------------------------
     def enqueue(self, ns: Namespace, group: int, key: bytes) -> bool:
@@ -112,6 +115,7 @@ class Uploader:
         """Upload the local chunk at ``rel`` (its block key read from its trailer when not given)."""
         if not self._health.reachable:
             self._count(ns, "remote_upload_failed", 1)
+            self._missed = True
             return Outcome.UNREACHABLE
         try:
             data = read_local(ns.store, rel)
@@ -127,6 +131,8 @@ class Uploader:
             self._count(ns, "remote_upload_failed", 1)
             return Outcome.UNREACHABLE
         reply = self.client.put_create(rel, data, timeout=self._put_timeout)
+        if reply.outcome in (Outcome.OK, Outcome.EXISTS) and self._missed:
+            self._resync()
         if reply.outcome is Outcome.OK:
             self._count(ns, "remote_uploaded", 1)
             self._count(ns, "bytes_remote_written", len(data))
@@ -137,8 +143,18 @@ class Uploader:
             log.warning("gdskv: remote refused %s (%s); dropped (it stays local)", rel, reply.detail)
         else:
             self._count(ns, "remote_upload_failed", 1)
+            self._missed = True
             self._health.unreachable(ns, reply.detail)
         return reply.outcome
+
+    def _resync(self) -> None:
+        """The remote answers again after uploads were missed: upload what it lacks, in the
+        background (at most one such pass at a time)."""
+        with self._meta_lock:
+            if not self._missed or (self._sync is not None and self._sync.is_alive()) or not self._namespaces:
+                return
+            self._missed = False
+        self.sync_in_background(self._namespaces)
 
     def ensure_metadata(self, ns: Namespace) -> bool:
         """Upload the ``zarr.json`` documents ``ns`` needs (create-only), once per process
@@ -175,6 +191,7 @@ class Uploader:
                 try:
                     there = {o.key for o in self.client.list(f"ns/{ns.id}/")}
                 except RemoteUnavailable as e:
+                    self._missed = True
                     self._health.unreachable(ns, str(e))
                     return sent
                 todo = [(array.group, f"ns/{ns.id}/g{array.group}/c/{e.hi}/0/{e.name}")
@@ -195,6 +212,9 @@ class Uploader:
         return outcome
 
     def sync_in_background(self, namespaces: Sequence[Namespace]) -> None:
+        """``sync`` on a thread of its own; also run again whenever the remote answers after a
+        spell in which uploads were missed."""
+        self._namespaces = list(namespaces)
         self._sync = threading.Thread(target=self._sync_logged, args=(list(namespaces),), name="gdskv-upload-leftovers",
                                       daemon=True)
         self._sync.start()
