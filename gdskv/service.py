@@ -376,11 +376,14 @@ class KvService:
         store; with ``lease``, also leased to a load that follows (``lease_seconds``, respected by
         eviction in any process; False when the chunk was gone by then). For an engine that
         combines shards itself (``gdskv.planner.held_everywhere``): a replicated leaf is stored
-        on shard 0 alone."""
+        on shard 0 alone. With ``lease`` (a lookup) and a remote tier, keys missing locally are
+        read through from the remote first."""
         if not self.active or not keys:
             return [False] * len(keys)
         ns = self.namespaces[shard]
         if lease:
+            if self.remote is not None:  # a lookup: what misses locally is read through first
+                self.remote.stored([ns], group, keys, time.monotonic() + self.remote.rc.timeout)
             return ns.lease_many(group, list(keys), lease_seconds=self.lease_seconds)
         return ns.contains_many(group, keys)
 

@@ -139,6 +139,17 @@ def test_node_b_reads_through_what_node_a_saved_then_serves_locally(tmp_path, en
     b_lookup.close()
 
 
+def test_an_engine_that_names_blocks_itself_reads_through_in_its_lease(tmp_path, endpoint, prefix):
+    a = service(str(tmp_path / "a"), endpoint.url, prefix, upload="through")
+    save_all(a, KEYS[:5])
+    a.close()
+    c = service(str(tmp_path / "c"), endpoint.url, prefix)  # MAX: held(..., lease=True) is its lookup
+    assert c.held(0, KEYS, 0) == [False] * len(KEYS)
+    assert c.held(0, KEYS, 0, lease=True) == [True] * 5 + [False] * 5
+    assert c.remote.counters["remote_hits"] == 5 and c.namespace.contains_many(1, KEYS[:1]) == [False]
+    c.close()
+
+
 def test_a_corrupt_object_is_a_counted_miss_and_the_prefix_stops_there(tmp_path, endpoint, prefix, caplog):
     a = service(str(tmp_path / "a"), endpoint.url, prefix, upload="through")
     save_all(a)
