@@ -89,3 +89,15 @@ def test_remote_commands_without_a_remote_are_usage_errors(tmp_path, monkeypatch
     for args in (("push",), ("pull",), ("info", "--remote"), ("verify", "--remote")):
         r = gdskv(tmp_path / "a", *args)
         assert r.exit_code == 2 and "no [gdskv.remote]" in r.output, (args, r.output)
+
+
+def test_prewarm_remote_warms_the_bucket_once(tmp_path, config, endpoint):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The quick brown fox jumps over the lazy dog, again and again and again.\n\n"
+                       "A second paragraph, long enough to fill a few blocks of sixteen tokens each.\n")
+    r = gdskv(tmp_path / "a", "prewarm", str(prompts), "--remote", "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    assert rep["done"] == 2 and rep["remote"]["uploaded"] == rep["blocks_written"] > 0
+    chunks = [k for k in endpoint.keys(f"cli-{tmp_path.name}/") if "/c/" in k]
+    assert len(chunks) == rep["blocks_written"]
