@@ -116,6 +116,21 @@ def test_uploads_are_create_only(endpoint, prefix):
         client.close()
 
 
+def test_a_bucket_that_does_not_exist_refuses_uploads_and_misses_reads(tmp_path, endpoint, caplog):
+    cfg = GdsKvConfig(store_path=str(tmp_path / "a"), remote={**remote_table(endpoint.url), "url": "s3://no-such-bucket/p"})
+    svc = KvService(cfg, SPEC)
+    with caplog.at_level(logging.WARNING, logger="gdskv.remote.upload"):
+        save_all(svc, KEYS[:2])
+        svc.close()
+    assert svc.store is not None
+    assert svc.namespace.counters["remote_upload_refused"] == 4 and svc.namespace.counters["remote_upload_failed"] == 0
+    lookup = KvService(GdsKvConfig(store_path=str(tmp_path / "b"), remote=cfg.remote), SPEC, transfers=False)
+    assert lookup.lookup(TOKENS, None).num_new_tokens == 0
+    assert lookup.remote.counters["remote_unreachable"] == 0
+    lookup.close()
+    assert "NoSuchBucket" in caplog.text
+
+
 # --- two nodes, one bucket ----------------------------------------------------------------------------
 
 def test_node_b_reads_through_what_node_a_saved_then_serves_locally(tmp_path, endpoint, prefix):

@@ -101,3 +101,10 @@ def test_prewarm_remote_warms_the_bucket_once(tmp_path, config, endpoint):
     assert rep["done"] == 2 and rep["remote"]["uploaded"] == rep["blocks_written"] > 0
     chunks = [k for k in endpoint.keys(f"cli-{tmp_path.name}/") if "/c/" in k]
     assert len(chunks) == rep["blocks_written"]
+
+
+def test_push_to_a_bucket_that_does_not_exist_fails_in_one_line(tmp_path, config, endpoint):
+    local_store(tmp_path / "a")
+    config.write_text(config.read_text().replace(f"s3://{BUCKET}/", "s3://no-such-bucket/"))
+    r = gdskv(tmp_path / "a", "push")
+    assert r.exit_code == 1 and "NoSuchBucket" in r.output and "Traceback" not in r.output

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import os
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,26 +65,35 @@ class ObjectInfo:
     mtime: float
 
 
-def _classify(e: BaseException) -> Reply:
+_STATUS = re.compile(r"status code: (\d{3})")
+
+
+def _classify(e: BaseException, writing: bool = False) -> Reply:
+    """The outcome an obstore exception stands for. The HTTP status, where the message carries
+    one, decides: 4xx is the remote saying no (``REFUSED``; 404 is ``MISSING`` for a read, a
+    missing bucket for a write), 408/429/5xx and no status at all are ``UNREACHABLE``."""
     from obstore import exceptions as ox
 
-    if isinstance(e, FileNotFoundError):
-        return Reply(Outcome.MISSING)
     if isinstance(e, (ox.AlreadyExistsError, ox.PreconditionError)):
         return Reply(Outcome.EXISTS)
+    if isinstance(e, FileNotFoundError):
+        return Reply(Outcome.REFUSED, detail=_first_line(e)) if writing else Reply(Outcome.MISSING)
     if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, ox.InvalidPathError, ox.NotSupportedError)):
         return Reply(Outcome.REFUSED, detail=_first_line(e))
     if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
         return Reply(Outcome.UNREACHABLE, detail="timed out")
-    text = str(e)
-    if " 4" in text and any(code in text for code in ("400", "403", "405", "409", "411", "413", "414")):
+    m = _STATUS.search(str(e))
+    if m and m.group(1).startswith("4") and m.group(1) not in ("408", "429"):
         return Reply(Outcome.REFUSED, detail=_first_line(e))
     return Reply(Outcome.UNREACHABLE, detail=_first_line(e))
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+    """The exception's first line, and the S3 error code where the body names one."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else ""
+    code = re.search(r"<Code>(\w+)</Code>", text)
+    return f"{type(e).__name__}: {line[:240]}" + (f" [{code.group(1)}]" if code else "")
 
 
 class ObjectClient:
@@ -155,7 +165,7 @@ class ObjectClient:
         except BaseException as e:  # noqa: BLE001
             if isinstance(e, asyncio.CancelledError):
                 raise
-            return _classify(e)
+            return _classify(e, writing=True)
 
     def get_many(self, keys: Sequence[str], timeout: float,
                  then: Optional[Callable[[int, Reply], Any]] = None) -> list[Any]:
@@ -209,7 +219,8 @@ class ObjectClient:
                     yield ObjectInfo(str(meta["path"]), int(meta["size"]), meta["last_modified"].timestamp())
         except Exception as e:  # noqa: BLE001
             reply = _classify(e)
-            raise RemoteUnavailable(f"listing s3://{self.rc.bucket}/{self.rc.prefix}: {reply.outcome.value}: {reply.detail}") from None
+            raise RemoteUnavailable(f"listing s3://{self.rc.bucket}/{self.rc.prefix}: {reply.outcome.value}: {reply.detail}",
+                                    reply.outcome) from None
 
     def close(self) -> None:
         """Stop the loop thread (requests still in flight are abandoned). Idempotent."""
@@ -222,7 +233,12 @@ class ObjectClient:
 
 
 class RemoteUnavailable(RuntimeError):
-    """A request that has no per-key outcome (a listing) failed; the message says how."""
+    """A request that has no per-key outcome (a listing) failed; the message says how,
+    ``outcome`` whether the remote refused (``REFUSED``) or did not answer (``UNREACHABLE``)."""
+
+    def __init__(self, message: str, outcome: Outcome = Outcome.UNREACHABLE) -> None:
+        super().__init__(message)
+        self.outcome = outcome
 
 
 def _boto3_credentials() -> Any:

@@ -48,6 +48,7 @@ class CopyReport:
 
     counts: Counter = field(default_factory=Counter)
     unreachable: str = ""
+    """Why the remote could not be used (unreachable, or it refused to list), when so."""
 
     def add(self, ns: Optional[Namespace], name: str, n: int = 1) -> None:
         with _lock:
@@ -65,7 +66,7 @@ def push(namespaces: Sequence[Namespace], client: ObjectClient, rc: RemoteConfig
         up.sync(namespaces, threads=min(rc.concurrency, 16))
     finally:
         up.close()
-    report.unreachable = health.detail
+    report.unreachable = health.detail or up.listing_refused
     return report
 
 

@@ -63,6 +63,8 @@ class Uploader:
         self._through = ThreadPoolExecutor(max_workers=min(rc.concurrency, 8), thread_name_prefix="gdskv-upload-through")
         self._sync: Optional[threading.Thread] = None
         self._put_timeout = max(rc.timeout, UPLOAD_TIMEOUT)
+        self.listing_refused = ""
+        """Why the remote refused to list a namespace (``sync`` uploaded nothing), if it did."""
         self._missed = False
         """Uploads were skipped or failed for want of an answer since the last pass over the store."""
         self._namespaces: list[Namespace] = []
@@ -127,9 +129,12 @@ class Uploader:
         if chunk_key(ns, group, key) != rel or verify(ns, group, key, data, self.auth_key) is not None:
             self._count(ns, "remote_upload_skipped", 1)
             return Outcome.REFUSED
-        if not self.ensure_metadata(ns):
-            self._count(ns, "remote_upload_failed", 1)
-            return Outcome.UNREACHABLE
+        meta = self.ensure_metadata(ns)
+        if meta is not Outcome.OK:
+            if meta is Outcome.UNREACHABLE:
+                self._missed = True
+            self._count(ns, "remote_upload_failed" if meta is Outcome.UNREACHABLE else "remote_upload_refused", 1)
+            return meta
         reply = self.client.put_create(rel, data, timeout=self._put_timeout)
         if reply.outcome in (Outcome.OK, Outcome.EXISTS) and self._missed:
             self._resync()
@@ -156,30 +161,31 @@ class Uploader:
             self._missed = False
         self.sync_in_background(self._namespaces)
 
-    def ensure_metadata(self, ns: Namespace) -> bool:
+    def ensure_metadata(self, ns: Namespace) -> Outcome:
         """Upload the ``zarr.json`` documents ``ns`` needs (create-only), once per process
-        (concurrent callers may both try: create-only makes that harmless)."""
+        (concurrent callers may both try: create-only makes that harmless). ``OK`` when they
+        are there, else the outcome that stopped it."""
         with self._meta_lock:
             if ns.id in self._metadata_done:
-                return True
+                return Outcome.OK
         for rel in metadata_keys(ns):
             if not self._health.reachable:
-                return False
+                return Outcome.UNREACHABLE
             try:
                 doc = read_local(ns.store, rel)
             except OSError as e:
                 log.warning("gdskv: cannot read %s to upload it: %s", rel, e)
-                return False
+                return Outcome.MISSING
             reply = self.client.put_create(rel, doc, timeout=self._put_timeout)
-            if reply.outcome not in (Outcome.OK, Outcome.EXISTS):
-                if reply.outcome is Outcome.UNREACHABLE:
-                    self._health.unreachable(ns, reply.detail)
-                else:
-                    log.warning("gdskv: remote refused %s (%s)", rel, reply.detail)
-                return False
+            if reply.outcome is Outcome.UNREACHABLE:
+                self._health.unreachable(ns, reply.detail)
+                return reply.outcome
+            if reply.outcome is not Outcome.OK and reply.outcome is not Outcome.EXISTS:
+                log.warning("gdskv: remote refused %s (%s)", rel, reply.detail)
+                return reply.outcome
         with self._meta_lock:
             self._metadata_done.add(ns.id)
-        return True
+        return Outcome.OK
 
     # -- leftovers ---------------------------------------------------------------------------------
     def sync(self, namespaces: Sequence[Namespace], threads: int = 1) -> int:
@@ -191,8 +197,12 @@ class Uploader:
                 try:
                     there = {o.key for o in self.client.list(f"ns/{ns.id}/")}
                 except RemoteUnavailable as e:
-                    self._missed = True
-                    self._health.unreachable(ns, str(e))
+                    if e.outcome is Outcome.UNREACHABLE:
+                        self._missed = True
+                        self._health.unreachable(ns, str(e))
+                    else:
+                        self.listing_refused = str(e)
+                        log.warning("gdskv: %s; local chunks not uploaded", e)
                     return sent
                 todo = [(array.group, f"ns/{ns.id}/g{array.group}/c/{e.hi}/0/{e.name}")
                         for array in ns.store.arrays([ns]) for e in ns.store.chunk_entries(array, with_stat=False)
