@@ -11,7 +11,7 @@ Prints, from one run:
 4. TTFT of node B's first run (prefix read through from the bucket) vs its own recompute, on the
    reference engine with the TensorRT-LLM connector.
 
-``python scripts/bench_remote.py [--pages 64] [--page-size 1M] [--rounds 5]``
+``python scripts/bench_remote.py [--pages 64] [--page-size 1M] [--rounds 5] [--concurrency 16] [--no-ttft]``
 """
 from __future__ import annotations
 
@@ -230,6 +230,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=0.5)
+    ap.add_argument("--no-ttft", action="store_true", help="Leave out the engine runs (4.).")
     args = ap.parse_args()
     page = parse_size(args.page_size)
     spec = NamespaceSpec("bench-remote", "uint8", 16, (GroupSpec(0, page, (0,)),))
@@ -239,7 +240,8 @@ def main() -> int:
         keys = populate(server, spec, args.pages, work)
         bench_throughput(server, spec, keys, args.rounds, work, args.concurrency)
         bench_timeout(server, spec, keys, work, args.timeout)
-        bench_ttft(work)
+        if not args.no_ttft:
+            bench_ttft(work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -32,6 +32,11 @@ from typing import Any, Callable, Coroutine, Iterator, Optional, Sequence
 from gdskv.config import RemoteConfig
 
 
+RETURN_MARGIN = 0.04
+"""The share of a deadline (at most 40 ms of it) left for handing the answers back: requests
+still out then are abandoned, so the caller has its answer by the deadline."""
+
+
 class RemoteSetupError(ValueError):
     """The remote settings cannot make a client (the message names the setting)."""
 
@@ -167,24 +172,37 @@ class ObjectClient:
                 raise
             return _classify(e, writing=True)
 
-    def get_many(self, keys: Sequence[str], timeout: float,
-                 then: Optional[Callable[[int, Reply], Any]] = None) -> list[Any]:
-        """GET every key at once (``concurrency`` in flight); what has not answered within
-        ``timeout`` seconds is ``UNREACHABLE`` ("timed out"). With ``then``, each reply is handed
-        to ``then(index, reply)`` on a worker thread as soon as it arrives (so verifying and
-        publishing one object overlaps the transfer of the others), and the list holds what
-        ``then`` returned, or the timed-out reply where it had not returned by the deadline."""
+    def get_many(self, keys: Sequence[str], timeout: float, then: Optional[Callable[[int, Reply], Any]] = None,
+                 in_order: bool = False) -> list[Any]:
+        """GET every key (``concurrency`` in flight, started in the order given); what has not
+        answered within ``timeout`` seconds is ``UNREACHABLE`` ("timed out"). With ``then``,
+        each reply is handed to ``then(index, reply)`` on a worker thread as soon as it arrives
+        (so verifying and publishing one object overlaps the transfer of the others), and the
+        list holds what ``then`` returned, or the timed-out reply where it had not returned by
+        the deadline. ``in_order``: once ``then`` returns something false for a key, keys after
+        it whose request has not started are not asked (their entry is None)."""
         if not keys:
             return []
         loop = self._loop
+        first_false = [len(keys)]
+
+        async def ask(i: int, key: str) -> Optional[Reply]:
+            if i > first_false[0]:
+                return None
+            return await self.get_async(key)
 
         async def one(i: int, key: str) -> Any:
-            reply = await self._bounded(lambda: self.get_async(key))
-            return reply if then is None else await loop.run_in_executor(self._workers, then, i, reply)
+            reply = await self._bounded(lambda: ask(i, key))
+            if reply is None or then is None:
+                return reply
+            out = await loop.run_in_executor(self._workers, then, i, reply)
+            if in_order and not out:
+                first_false[0] = min(first_false[0], i)
+            return out
 
         async def run() -> list[Any]:
             tasks = [asyncio.ensure_future(one(i, k)) for i, k in enumerate(keys)]
-            done, pending = await asyncio.wait(tasks, timeout=timeout)
+            done, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout - RETURN_MARGIN * min(1.0, timeout)))
             for t in pending:
                 t.cancel()
             return [t.result() if t in done and not t.cancelled() else Reply(Outcome.UNREACHABLE, detail="timed out")

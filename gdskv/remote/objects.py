@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from gdskv import checksum
 from gdskv import format as fmt
-from gdskv.confined import dir_path
+from gdskv.confined import dir_path, open_data_file
 from gdskv.store import Namespace, PageStore
 
 _seq = itertools.count()
@@ -67,14 +67,12 @@ def publish(ns: Namespace, group: int, key: bytes, data: Any) -> bool:
     rel_dir, name = ns.chunk_location(group, key)
     with store.fs.directory(rel_dir, create=True) as dfd:
         tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.r{next(_seq):x}"
-        fd = os.open(dir_path(dfd, tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     store.fs.file_mode)
+        fd = open_data_file(dir_path(dfd, tmp), write=True, mode=store.fs.file_mode)
         try:
             try:
                 view = data
                 while view:
                     view = view[os.write(fd, view):]
-                os.fchmod(fd, store.fs.file_mode)
             finally:
                 os.close(fd)
             os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)

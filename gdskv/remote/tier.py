@@ -1,10 +1,10 @@
 """The remote tier a ``KvService`` holds when ``[gdskv.remote]`` is configured.
 
-- **Read-through** (``stored``): a lookup's keys that miss locally are fetched from the remote in
-  waves (each wave's GETs concurrent, all of a lookup's waves inside one deadline, ``timeout``),
+- **Read-through** (``stored``): a lookup's keys that miss locally are fetched from the remote
+  (``concurrency`` GETs in flight, started in prefix order, all inside one deadline, ``timeout``),
   verified as a local load verifies a chunk, and published into the local store; the lookup then
-  serves them locally like any other chunk. Fetching stops at the first wave in which a key is in
-  neither tier (the served prefix stops there anyway). A miss is remembered for ``negative_ttl``;
+  serves them locally like any other chunk. Once a key is in neither tier, no request for a key
+  after it is started (the served prefix stops there anyway). A miss is remembered for ``negative_ttl``;
   a bad object is a miss, counted (``remote_corrupt``) and remembered.
 - **Health**: a request that gets no answer (connection refused, DNS, a timeout) marks the remote
   down for ``retry_after`` seconds, with one warning and a counter (``remote_unreachable``);
@@ -30,8 +30,6 @@ from gdskv.transfer import SaveStatus
 
 log = logging.getLogger(__name__)
 
-WAVE = 32
-"""Blocks fetched per wave of a read-through."""
 NEGATIVE_CAPACITY = 1 << 16
 
 
@@ -89,35 +87,26 @@ class RemoteTier:
         return present
 
     def _fetch_run(self, ns: Namespace, group: int, keys: Sequence[bytes], deadline: float) -> list[bool]:
-        """Fetch ``keys`` in order, a wave at a time; the answers for a prefix of ``keys``."""
-        out: list[bool] = []
-        for start in range(0, len(keys), WAVE):
-            if not self.reachable:
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._count(ns, "remote_deadline")
-                break
-            wave = keys[start:start + WAVE]
-            got = self._fetch(ns, group, wave, left)
-            out.extend(got)
-            if not all(got):
-                break
-        return out
-
-    def _fetch(self, ns: Namespace, group: int, keys: Sequence[bytes], timeout: float) -> list[bool]:
+        """Fetch ``keys`` (in order, ``concurrency`` in flight); once one is in neither tier,
+        the keys after it are not asked. Whether each is local now."""
+        left = deadline - time.monotonic()
+        if not keys or not self.reachable:
+            return [False] * len(keys)
+        if left <= 0:
+            self._count(ns, "remote_deadline")
+            return [False] * len(keys)
         now = time.monotonic()
-        with self._lock:
-            ask = [k for k in keys if self._negative.get((ns.id, group, k), 0.0) <= now]
-        took = self.client.get_many([chunk_key(ns, group, k) for k in ask], timeout,
-                                    then=lambda i, r: self._settle(ns, group, ask[i], r))
-        got = {k: t is True for k, t in zip(ask, took)}
+        with self._lock:  # a remembered miss ends the run there
+            end = next((i for i, k in enumerate(keys) if self._negative.get((ns.id, group, k), 0.0) > now), len(keys))
+        ask = list(keys[:end])
+        took = self.client.get_many([chunk_key(ns, group, k) for k in ask], left,
+                                    then=lambda i, r: self._settle(ns, group, ask[i], r), in_order=True)
         for t in took:
             if isinstance(t, Reply):  # not settled by the deadline
                 self._count(ns, "remote_timeouts")
                 self.unreachable(ns, t.detail)
                 break
-        return [got.get(k, False) for k in keys]
+        return [t is True for t in took] + [False] * (len(keys) - len(took))
 
     def _settle(self, ns: Namespace, group: int, key: bytes, r: Reply) -> bool:
         """One reply of a read-through (on a client worker thread): whether ``key`` is local now."""
