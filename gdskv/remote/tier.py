@@ -73,7 +73,16 @@ class RemoteTier:
     def stored(self, namespaces: Sequence[Namespace], group: int, keys: Sequence[bytes], deadline: float) -> list[bool]:
         """For each key, whether every shard's chunk of it is now in the local store, fetching
         from the remote what misses locally, until ``deadline`` (``time.monotonic()``). Keys
-        past the first that is in neither tier are answered from the local store alone."""
+        past the first that is in neither tier are answered from the local store alone. Never
+        raises: a bug here is logged and the answer is the local store's."""
+        try:
+            return self._stored(namespaces, group, keys, deadline)
+        except Exception as e:  # never into the serving loop
+            log.exception("gdskv: remote read-through failed unexpectedly: %s", e)
+            self._count(None, "remote_errors")
+            return _local_presence(namespaces, group, keys)
+
+    def _stored(self, namespaces: Sequence[Namespace], group: int, keys: Sequence[bytes], deadline: float) -> list[bool]:
         present = [True] * len(keys)
         for ns in namespaces:
             todo = [i for i, p in enumerate(present) if p]
@@ -171,6 +180,13 @@ class RemoteTier:
         if self.uploader is not None:
             self.uploader.close()
         self.client.close()
+
+
+def _local_presence(namespaces: Sequence[Namespace], group: int, keys: Sequence[bytes]) -> list[bool]:
+    present = [True] * len(keys)
+    for ns in namespaces:
+        present = [p and there for p, there in zip(present, ns.contains_many(group, keys))]
+    return present
 
 
 def _published(f: Future) -> bool:

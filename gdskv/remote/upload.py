@@ -97,7 +97,11 @@ class Uploader:
             if getattr(status, "value", None) != "published":
                 out.set_result(status)
                 return
-            self._through.submit(self._upload_then, ns, group, key, status, out)
+            try:
+                self._through.submit(self._upload_then, ns, group, key, status, out)
+            except RuntimeError:  # closing: the chunk is local, and goes up at the next start
+                self._count(ns, "remote_upload_deferred", 1)
+                out.set_result(status)
 
         fut.add_done_callback(relay)
         return out
@@ -105,6 +109,8 @@ class Uploader:
     def _upload_then(self, ns: Namespace, group: int, key: bytes, status: Any, out: Future) -> None:
         try:
             self.upload(ns, group, key)
+        except Exception as e:  # a bug is a chunk left for the next start, never a save that hangs
+            log.exception("gdskv: upload failed unexpectedly: %s", e)
         finally:
             out.set_result(status)
 
