@@ -16,7 +16,7 @@ from rich.table import Table
 from gdskv.cli._common import UsageProblem, auth_key_of, config_of, human_bytes, open_existing, print_json
 from gdskv.config import GdsKvConfig
 from gdskv.remote import ObjectClient, RemoteSetupError, RemoteUnavailable
-from gdskv.remote.copy import RemoteNamespace, inventory, verify_remote
+from gdskv.remote.copy import BlocksOf, RemoteNamespace, inventory, prompt_blocks, verify_remote
 
 
 def remote_client(ctx: click.Context) -> tuple[GdsKvConfig, ObjectClient]:
@@ -35,6 +35,32 @@ def namespace_filter(wanted: Optional[str]) -> Optional[Callable[[RemoteNamespac
     if wanted is None:
         return None
     return lambda n: n.id.startswith(wanted) or (n.spec is not None and n.spec.model == wanted)
+
+
+def prompt_options(f: Callable) -> Callable:
+    """``--prompts / --tokenizer / --cache-salt`` of ``push`` and ``pull``."""
+    f = click.option("--cache-salt", "cache_salt", default=None, help="The cache salt the prompts were served with.")(f)
+    f = click.option("--tokenizer", default=None, help="Tokenizer of --prompts (Hugging Face id or path); default: bytes, "
+                     "as the reference engine's prewarm.")(f)
+    return click.option("--prompts", "prompts", multiple=True, type=click.Path(),
+                        help="Only the blocks of these prompts (.txt / .jsonl / a directory, as prewarm reads them).")(f)
+
+
+def prompt_blocks_of(prompts: tuple[str, ...], tokenizer: Optional[str], cache_salt: Optional[str]) -> Optional[BlocksOf]:
+    """The block keys of ``prompts`` per namespace (None without ``--prompts``); a prompt that
+    cannot be read or is empty is left out."""
+    if not prompts:
+        return None
+    from gdskv.cli.prewarm import ByteTokenizer, HfTokenizer, _tokenize, read_prompts
+
+    tok = HfTokenizer.load(tokenizer) if tokenizer else ByteTokenizer()
+    token_lists = []
+    for p in read_prompts(prompts):
+        try:
+            token_lists.append(_tokenize(tok, p, 1 << 30))
+        except ValueError:
+            continue
+    return prompt_blocks(token_lists, cache_salt)
 
 
 def run(ctx: click.Context, what: Callable[[GdsKvConfig, ObjectClient], None]) -> None:

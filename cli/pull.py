@@ -1,4 +1,7 @@
-"""``gdskv pull [--namespace NS]``: fetch the remote's chunks that the local store lacks.
+"""``gdskv pull [--namespace NS] [--prompts FILE...]``: fetch the remote's chunks that the local store lacks.
+
+With ``--prompts`` (and the ``--tokenizer`` / ``--cache-salt`` they were served with), only the
+blocks of those prompts come down: a node warms itself for a known workload.
 
 Each object is verified exactly as a read-through verifies it (trailer, layer group, store and
 block key, its place in the array, size, checksum, MAC where a chunk key is configured) before it
@@ -14,7 +17,7 @@ import click
 from rich.console import Console
 
 from gdskv.cli._common import UsageProblem, auth_key_of, config_of, print_json
-from gdskv.cli._remote import namespace_filter, remote_client
+from gdskv.cli._remote import namespace_filter, prompt_blocks_of, prompt_options, remote_client
 from gdskv.remote import RemoteUnavailable
 from gdskv.remote.copy import pull as pull_namespaces
 from gdskv.store import PageStore, StoreError
@@ -22,18 +25,21 @@ from gdskv.store import PageStore, StoreError
 
 @click.command()
 @click.option("--namespace", "namespace", default=None, help="Namespace id (or a prefix of it) or model name; default all.")
+@prompt_options
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
 @click.pass_context
-def pull(ctx: click.Context, namespace: Optional[str], as_json: bool) -> None:
+def pull(ctx: click.Context, namespace: Optional[str], prompts: tuple[str, ...], tokenizer: Optional[str],
+         cache_salt: Optional[str], as_json: bool) -> None:
     """Download remote chunks the local store lacks (verified, published atomically)."""
     cfg = config_of(ctx)
+    blocks_of = prompt_blocks_of(prompts, tokenizer, cache_salt)  # a usage error here creates no store
     try:
         store = PageStore.from_config(cfg)  # like prewarm, pull may make the store
     except (StoreError, OSError) as e:
         raise UsageProblem(f"{e}; refusing to touch it. Pass --store PATH or set GDSKV_STORE.") from None
     _, client = remote_client(ctx)
     try:
-        rep = pull_namespaces(store, client, auth_key_of(cfg), namespace_filter(namespace))
+        rep = pull_namespaces(store, client, auth_key_of(cfg), namespace_filter(namespace), blocks_of)
     except RemoteUnavailable as e:
         raise click.ClickException(f"pull: remote {cfg.remote.url}: {e}") from None
     finally:

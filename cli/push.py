@@ -1,4 +1,7 @@
-"""``gdskv push [--namespace NS]``: upload the local store's chunks that the remote lacks.
+"""``gdskv push [--namespace NS] [--prompts FILE...]``: upload the local store's chunks that the remote lacks.
+
+With ``--prompts`` (and the ``--tokenizer`` / ``--cache-salt`` they were served with), only the
+blocks of those prompts go up.
 
 Create-only (``If-None-Match: *``): an object already in the bucket is never replaced. Every chunk
 is verified before it goes up (a chunk damaged on local disk stays here), and its namespace's
@@ -14,16 +17,17 @@ import click
 from rich.console import Console
 
 from gdskv.cli._common import auth_key_of, open_existing, print_json, select_namespaces
-from gdskv.cli._remote import remote_client
+from gdskv.cli._remote import prompt_blocks_of, prompt_options, remote_client
+from gdskv.remote.copy import BlocksOf
 from gdskv.remote.copy import push as push_namespaces
 
 
-def push_namespaces_of(ctx: click.Context, namespaces: list) -> tuple[dict, bool, str]:
-    """Push ``namespaces``: (counts for ``--json``, whether everything went up, one line for
-    people). Also called by ``gdskv prewarm --remote``."""
+def push_namespaces_of(ctx: click.Context, namespaces: list, blocks_of: Optional[BlocksOf] = None) -> tuple[dict, bool, str]:
+    """Push ``namespaces`` (only ``blocks_of``'s blocks, when given): (counts for ``--json``,
+    whether everything went up, one line for people). Also called by ``gdskv prewarm --remote``."""
     cfg, client = remote_client(ctx)
     try:
-        rep = push_namespaces(namespaces, client, cfg.remote, auth_key_of(cfg))
+        rep = push_namespaces(namespaces, client, cfg.remote, auth_key_of(cfg), blocks_of)
     finally:
         client.close()
     c = rep.counts
@@ -39,13 +43,16 @@ def push_namespaces_of(ctx: click.Context, namespaces: list) -> tuple[dict, bool
 
 @click.command()
 @click.option("--namespace", "namespace", default=None, help="Namespace id (or a prefix of it) or model name; default all.")
+@prompt_options
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
 @click.pass_context
-def push(ctx: click.Context, namespace: Optional[str], as_json: bool) -> None:
+def push(ctx: click.Context, namespace: Optional[str], prompts: tuple[str, ...], tokenizer: Optional[str],
+         cache_salt: Optional[str], as_json: bool) -> None:
     """Upload local chunks the remote lacks (create-only, verified first)."""
     _, store = open_existing(ctx)
     chosen = select_namespaces(store, namespace)
-    out, ok, line = push_namespaces_of(ctx, [store.namespace(ns.spec) for ns in chosen])
+    out, ok, line = push_namespaces_of(ctx, [store.namespace(ns.spec) for ns in chosen],
+                                       prompt_blocks_of(prompts, tokenizer, cache_salt))
     if as_json:
         print_json(out)
     else:

@@ -108,3 +108,22 @@ def test_push_to_a_bucket_that_does_not_exist_fails_in_one_line(tmp_path, config
     config.write_text(config.read_text().replace(f"s3://{BUCKET}/", "s3://no-such-bucket/"))
     r = gdskv(tmp_path / "a", "push")
     assert r.exit_code == 1 and "NoSuchBucket" in r.output and "Traceback" not in r.output
+
+
+def test_push_and_pull_only_the_blocks_of_a_prompt_file(tmp_path, config, endpoint):
+    one, two = tmp_path / "one.txt", tmp_path / "two.txt"
+    one.write_text("A system prompt that every request of this service starts with, long enough for blocks.\n")
+    two.write_text("Another document entirely, which only some other workload ever asks about at all.\n")
+    assert gdskv(tmp_path / "a", "prewarm", str(one), str(two)).exit_code == 0
+    blocks = len(one.read_text().strip().encode()) // 16  # the reference engine: bytes, 16 tokens per block
+    r = gdskv(tmp_path / "a", "push", "--prompts", str(one), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["uploaded"] == blocks
+    assert len([k for k in endpoint.keys(f"cli-{tmp_path.name}/") if "/c/" in k]) == blocks
+
+    gdskv(tmp_path / "a", "push")  # now everything
+    r = gdskv(tmp_path / "b", "pull", "--prompts", str(one), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["counts"] == {"pulled": blocks, "present": 0}
+    (ns,) = PageStore.open(tmp_path / "b", create=False).namespaces()
+    assert sum(1 for _ in ns.store.iter_chunk_files()) == blocks

@@ -1,9 +1,11 @@
 """Whole-namespace copies between the local store and the remote, and what the bucket holds.
 
-- ``push``: every local chunk of the chosen namespaces that the remote lacks goes up
+- ``push``: every local chunk of the chosen namespaces (or of a prompt file's blocks,
+  ``prompt_blocks``) that the remote lacks goes up
   (create-only, verified first, metadata first) — ``gdskv push``, and ``gdskv prewarm --remote``
   after its prompts ran, so a fleet is warmed once;
-- ``pull``: every remote chunk of the chosen namespaces that the local store lacks comes down,
+- ``pull``: every remote chunk of the chosen namespaces (or of a prompt file's blocks) that the
+  local store lacks comes down,
   verified like a read-through, published atomically — ``gdskv pull``;
 - ``inventory`` / ``verify_remote``: the bucket's namespaces (from their ``zarr.json``), chunk
   counts and bytes per layer group, and a check of every remote chunk — ``gdskv info|ls|stats|verify
@@ -16,11 +18,13 @@ from __future__ import annotations
 import json
 import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from gdskv import format as fmt
 from gdskv.config import RemoteConfig
+from gdskv.keys import chain_keys
 from gdskv.remote.client import ObjectClient, ObjectInfo, Outcome, Reply
 from gdskv.remote.objects import chunk_key, publish, verify
 from gdskv.remote.upload import Uploader
@@ -58,12 +62,37 @@ class CopyReport:
 _lock = threading.Lock()
 
 
-def push(namespaces: Sequence[Namespace], client: ObjectClient, rc: RemoteConfig, auth_key: Optional[bytes]) -> CopyReport:
-    """Upload what ``namespaces`` hold locally and the remote lacks."""
+BlocksOf = Callable[[NamespaceSpec], Sequence[bytes]]
+"""The block keys to copy in a namespace (``prompt_blocks``), or None for all of it."""
+
+
+def prompt_blocks(token_lists: Sequence[Sequence[int]], cache_salt: Any = None) -> BlocksOf:
+    """The keys of every full block of each prompt, chained as the engines chain them, with the
+    namespace's tokens per block."""
+    def blocks(spec: NamespaceSpec) -> list[bytes]:
+        return list(dict.fromkeys(k for t in token_lists for k in chain_keys(t, spec.tokens_per_block, cache_salt)))
+
+    return blocks
+
+
+def push(namespaces: Sequence[Namespace], client: ObjectClient, rc: RemoteConfig, auth_key: Optional[bytes],
+         blocks_of: Optional[BlocksOf] = None) -> CopyReport:
+    """Upload what ``namespaces`` hold locally and the remote lacks (of ``blocks_of``'s blocks only,
+    when given)."""
     report, health = CopyReport(), _Health()
     up = Uploader(client, rc, auth_key, report.add, health, threads=1)
     try:
-        up.sync(namespaces, threads=min(rc.concurrency, 16))
+        if blocks_of is None:
+            up.sync(namespaces, threads=min(rc.concurrency, 16))
+        else:
+            todo = []
+            for ns in namespaces:
+                keys = list(blocks_of(ns.spec))
+                for g in ns.spec.groups:
+                    todo += [(ns, g.layer_group_id, k) for k, there in zip(keys, ns.contains_many(g.layer_group_id, keys))
+                             if there]
+            with ThreadPoolExecutor(min(rc.concurrency, 16)) as pool:
+                list(pool.map(lambda t: up.upload(*t) if health.reachable else None, todo))
     finally:
         up.close()
     report.unreachable = health.detail or up.listing_refused
@@ -118,21 +147,28 @@ def inventory(client: ObjectClient, wanted: Optional[Callable[[RemoteNamespace],
 
 
 def pull(store: PageStore, client: ObjectClient, auth_key: Optional[bytes],
-         wanted: Optional[Callable[[RemoteNamespace], bool]] = None) -> CopyReport:
-    """Fetch, verify and publish locally every remote chunk of the chosen namespaces that the
-    local store lacks."""
+         wanted: Optional[Callable[[RemoteNamespace], bool]] = None, blocks_of: Optional[BlocksOf] = None) -> CopyReport:
+    """Fetch, verify and publish locally every remote chunk of the chosen namespaces (of
+    ``blocks_of``'s blocks only, when given) that the local store lacks."""
     report = CopyReport()
-    for n in inventory(client, wanted):
+    found = inventory(client, wanted) if blocks_of is None else [n for n in namespaces(client) if wanted is None or wanted(n)]
+    for n in found:
         if n.spec is None:
             report.add(None, "damaged_namespaces")
             continue
         ns = store.namespace(n.spec)
-        for group, objs in sorted(n.chunks.items()):
-            if group not in {g.layer_group_id for g in n.spec.groups}:
-                report.add(ns, "skipped")
+        groups = {g.layer_group_id for g in n.spec.groups}
+        if blocks_of is None:
+            wanted_keys = {g: [o.key for o in objs] for g, objs in n.chunks.items()}
+        else:
+            keys = list(blocks_of(n.spec))
+            wanted_keys = {g: [chunk_key(ns, g, k) for k in keys] for g in sorted(groups)}
+        for group, rels in sorted(wanted_keys.items()):
+            if group not in groups:
+                report.add(ns, "skipped", len(rels))
                 continue
-            todo = [o.key for o in objs if not _local(ns, o.key)]
-            report.add(ns, "present", len(objs) - len(todo))
+            todo = [rel for rel in rels if not _local(ns, rel)]
+            report.add(ns, "present", len(rels) - len(todo))
             for start in range(0, len(todo), GET_BATCH):
                 batch = todo[start:start + GET_BATCH]
                 took = client.get_many(batch, timeout=max(60.0, client.rc.timeout),
