@@ -27,6 +27,8 @@ ENGINES = ("auto", "posix", "kvikio")
 O_DIRECT_MODES = ("off", "writes", "all")
 MIN_AUTH_KEY_BYTES = 16
 DEFAULT_FILE_MODE = 0o600
+DEFAULT_ASYNC_LOAD_MIN_BYTES = 16 << 20
+"""See ``GdsKvConfig.async_load_min_bytes`` and docs/trtllm.md (where the line is, and why)."""
 
 
 class ConfigError(ValueError):
@@ -125,6 +127,12 @@ class GdsKvConfig:
     may run past the smallest window; it also saves only those (bytes per request bounded by the
     window). False: the spec's smallest-window rule (the prefix stops at the first block any group
     misses)."""
+    async_load_min_bytes: Optional[int] = DEFAULT_ASYNC_LOAD_MIN_BYTES
+    """Smallest load (bytes per TP rank) a connector makes asynchronous where the engine allows it
+    (TensorRT-LLM: ``is_async=True``; the request is held out of the batch until the load is
+    reported finished, so it never stalls the other requests' steps). Smaller loads run inside
+    the forward pass, overlapped per layer, which saves the loading request a step. 0: every
+    load asynchronous; ``None``: none."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -149,7 +157,7 @@ class GdsKvConfig:
             raise bad("fsync", f"must be true or false, got {self.fsync!r}")
         if not isinstance(self.window_aware, bool):
             raise bad("window_aware", f"must be true or false, got {self.window_aware!r}")
-        for key in ("kvikio_task_size", "max_bytes", "min_free_bytes"):
+        for key in ("kvikio_task_size", "max_bytes", "min_free_bytes", "async_load_min_bytes"):
             v = getattr(self, key)
             if v is None:
                 continue
