@@ -132,7 +132,7 @@ class GdsKvConfig:
     (TensorRT-LLM: ``is_async=True``; the request is held out of the batch until the load is
     reported finished, so it never stalls the other requests' steps). Smaller loads run inside
     the forward pass, overlapped per layer, which saves the loading request a step. 0: every
-    load asynchronous; ``None``: none."""
+    load asynchronous; ``None`` (``false`` in TOML): none."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -157,6 +157,8 @@ class GdsKvConfig:
             raise bad("fsync", f"must be true or false, got {self.fsync!r}")
         if not isinstance(self.window_aware, bool):
             raise bad("window_aware", f"must be true or false, got {self.window_aware!r}")
+        if self.async_load_min_bytes is False:  # TOML has no None: false turns asynchronous loads off
+            self.async_load_min_bytes = None
         for key in ("kvikio_task_size", "max_bytes", "min_free_bytes", "async_load_min_bytes"):
             v = getattr(self, key)
             if v is None:

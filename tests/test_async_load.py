@@ -11,6 +11,7 @@ chunk is stored again; the threshold decides sync vs async.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -171,3 +172,53 @@ def test_a_bad_threshold_fails_at_bring_up_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError, match="async_load_min_bytes"):
         load_config(store_path=str(tmp_path), async_load_min_bytes="lots")
     assert load_config(store_path=str(tmp_path), async_load_min_bytes="4M").async_load_min_bytes == 4 << 20
+    assert load_config(store_path=str(tmp_path), async_load_min_bytes=False).async_load_min_bytes is None
+    assert load_config(store_path=str(tmp_path)).async_load_min_bytes == 16 << 20
+
+
+# --- MAX: load posts the reads and returns; none of them runs on the caller's thread ---------------
+
+def test_max_load_returns_while_every_read_is_still_blocked(tmp_path):
+    from gdskv.connectors.max import GdsKvConnector, LeafMemory
+    from gdskv.connectors.max.types import KVCacheGroupId
+    from gdskv.io.posix import PosixEngine
+
+    class HeldReads(PosixEngine):
+        """Reads wait for ``gate``; records which threads read."""
+
+        def __init__(self) -> None:
+            super().__init__(threads=2)
+            self.gate = threading.Event()
+            self.readers: set[int] = set()
+
+        def read_now(self, path, segments):  # type: ignore[override]
+            self.readers.add(threading.get_ident())
+            assert self.gate.wait(30), "the test never opened the gate"
+            return super().read_now(path, segments)
+
+    leaves = {"full": KVCacheGroupId.full()}
+    pages = torch.randint(0, 256, (8, 512), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    engine = HeldReads()
+    conn = GdsKvConnector(leaves, [{"full": LeafMemory((pages,), False)}], model="tiny", dtype="float32", tokens_per_block=16,
+                          config=GdsKvConfig(store_path=str(tmp_path / "store")), engine=engine)
+    try:
+        hashes = [i.to_bytes(8, "big") for i in range(3)]
+        saved = conn.offload({"full": [0, 1, 2]}, {"full": hashes})
+        saved.synchronize()
+        before = pages[:3].clone()
+        conn.lookup(hashes)
+        t0 = time.monotonic()
+        transfer = conn.load({"full": [4, 5, 6]}, {"full": hashes})
+        returned_after = time.monotonic() - t0
+        assert not transfer.is_complete(), "load waited for its reads"
+        engine.gate.set()
+        deadline = time.monotonic() + 10
+        while not transfer.is_complete():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert torch.equal(pages[4:7], before)
+        assert threading.get_ident() not in engine.readers
+        assert returned_after < 5
+    finally:
+        engine.gate.set()
+        conn.shutdown()

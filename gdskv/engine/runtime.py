@@ -437,7 +437,7 @@ class ReferenceEngine:
 
     def _step(self) -> bool:
         """One scheduler iteration (see the module docstring); True if any request made progress."""
-        start = time.perf_counter()
+        began = time.perf_counter()
         self._steps += 1
         self._reclaim_passed_pages()
         admitted, started_loading = self._admit_waiting()
@@ -474,7 +474,7 @@ class ReferenceEngine:
         moved = self._poll_finished(finished_gen, started_loading)
         decoding = tuple(r.request_id for r in scheduled if chunks[r.request_id][0] >= r.prompt_len)
         prefilling = tuple(r.request_id for r in scheduled if chunks[r.request_id][0] < r.prompt_len)
-        self.step_log.append(StepRecord(time.perf_counter() - start, decoding, prefilling, loading))
+        self.step_log.append(StepRecord(time.perf_counter() - began, decoding, prefilling, loading))
         return moved or bool(scheduled or admitted)
 
     def _reclaim_passed_pages(self) -> None:

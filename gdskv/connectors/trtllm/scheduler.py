@@ -68,18 +68,20 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
     layout, or when the store cannot be opened.
     """
 
-    def __init__(self, llm_args: Any, config: Optional[GdsKvConfig] = None):
+    def __init__(self, llm_args: Any, config: Optional[GdsKvConfig] = None, unscheduled_ttl_s: float = LOOKUP_LEASE_SECONDS):
         """TensorRT-LLM constructs it with ``llm_args`` alone (gdskv's settings then come from
-        ``load_config()``); in-process callers (the reference engine's stacks) pass ``config``."""
+        ``load_config()``); in-process callers (the reference engine's stacks) pass ``config``.
+        ``unscheduled_ttl_s``: how long a looked-up request may go unscheduled before its state is
+        dropped (``gdskv.request_state``)."""
         super().__init__(llm_args)
         self._cfg = config if config is not None else load_config()
         self._deployment = Deployment.from_llm_args(llm_args, self._cfg)
         self._peers = peers(self._cfg.store_path, self._deployment.model, self._deployment.tp_size)
         self.service: Optional[KvService] = None
         """Built once a worker of this process has registered (its spec names the namespaces)."""
-        self._requests: RequestTable[int, Tracked] = RequestTable(LOOKUP_LEASE_SECONDS)
+        self._requests: RequestTable[int, Tracked] = RequestTable(unscheduled_ttl_s)
         """Every request between its lookup (or first report) and ``request_finished``; a request
-        looked up and never scheduled is dropped after ``LOOKUP_LEASE_SECONDS``."""
+        looked up and never scheduled is dropped after ``unscheduled_ttl_s``."""
         self._async_plans: list[RequestPlan] = []
         """Asynchronous loads planned at ``update_state_after_alloc``, sent in the next step's metadata."""
         self._step = 0

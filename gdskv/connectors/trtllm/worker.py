@@ -17,6 +17,7 @@ from gdskv import streams
 from gdskv.config import GdsKvConfig, load_config
 from gdskv.connectors.trtllm.base import KvCacheConnectorWorker
 from gdskv.connectors.trtllm.deployment import ConnectorSetupError, Deployment, peers
+from gdskv.connectors.trtllm.inflight import settle, settle_loads
 from gdskv.connectors.trtllm.layout_check import check_layout, region_tensors
 from gdskv.layout import single_pool_layout
 from gdskv.planner import ConnectorMetadata
@@ -215,9 +216,12 @@ class GdsKvWorker(KvCacheConnectorWorker):
             self._awaiting_save[int(rid)] = None
         for rid in started_loading_req_ids:
             self._awaiting_load[int(rid)] = None
-        _settle(self._saves, "save")
-        _settle(self._loads, None)  # logged when awaited, in _finish_loads
-        self._settle_async_loads()
+        settle(self._saves, "save")
+        settle(self._loads, None)  # logged when awaited, in _finish_loads
+        for rid, bad, total in settle_loads(self._async_loads):
+            log.warning("gdskv: %d of %d asynchronous page loads of request %d failed; its KV is recomputed where the "
+                        "engine can", bad, total, rid)
+            self._load_failures[rid] = None
         busy = self._saves.keys() | self._loads.keys() | self._async_loads.keys()
         saved = [rid for rid in self._awaiting_save if rid not in busy]
         loaded = [rid for rid in self._awaiting_load if rid not in self._loads and rid not in self._async_loads]
@@ -258,19 +262,6 @@ class GdsKvWorker(KvCacheConnectorWorker):
             if self._step_meta is not None:
                 self._peers.load_failed(self._step_meta.step, rid)
 
-    def _settle_async_loads(self) -> None:
-        """Take the requests whose asynchronous loads have all finished out of ``_async_loads``;
-        one with a load that is not LOADED goes to ``_load_failures``."""
-        for rid, futures in list(self._async_loads.items()):
-            if not all(f is None or f.done() for f in futures):
-                continue
-            del self._async_loads[rid]
-            bad = [f for f in futures if f is None or f.cancelled() or f.exception() is not None or f.result() is not LoadStatus.LOADED]
-            if bad:
-                log.warning("gdskv: %d of %d asynchronous page loads of request %d failed; its KV is recomputed where the "
-                            "engine can", len(bad), len(futures), rid)
-                self._load_failures[rid] = None
-
     @property
     def tracked(self) -> int:
         """Entries in this worker's per-request maps (the leak checks read it)."""
@@ -305,17 +296,3 @@ class GdsKvWorker(KvCacheConnectorWorker):
             fut = self.service.save(gid, op.key, op.parent_key, segments, ready=page_ready)
             self._saves.setdefault(rid, []).append(fut)
 
-
-def _settle(inflight: dict[int, list[Future]], what: Optional[str]) -> None:
-    """Drop finished futures (logging a failed ``what`` once) and requests with none left."""
-    for rid in list(inflight):
-        pending = []
-        for fut in inflight[rid]:
-            if not fut.done():
-                pending.append(fut)
-            elif what is not None and fut.exception() is not None:
-                log.warning("gdskv: a %s failed: %s", what, fut.exception())
-        if pending:
-            inflight[rid] = pending
-        else:
-            del inflight[rid]

@@ -17,7 +17,8 @@ Flow per request, as vLLM 0.32 calls it:
    in ``finished_sending``.
 
 Per-request state lives in ``RequestTable``s: dropped at finish, abort and preemption, and, for a
-request looked up but never scheduled, after ``LEASE_SECONDS`` (``build_meta`` expires them).
+request looked up but never scheduled, after ``unscheduled_ttl_s`` (default ``LEASE_SECONDS``;
+``build_meta`` expires them).
 """
 from __future__ import annotations
 
@@ -35,12 +36,12 @@ log = logging.getLogger(__name__)
 class SchedulerSide:
     """State of the scheduler role; ``service`` checks every TP shard's namespace."""
 
-    def __init__(self, service: KvService):
+    def __init__(self, service: KvService, unscheduled_ttl_s: float = LEASE_SECONDS):
         self.service = service
         self.tokens_per_block = service.tokens_per_block
         self.windows = list(service.windows)
-        self._states: RequestTable[str, RequestState] = RequestTable(LEASE_SECONDS)
-        self._requests: RequestTable[str, Any] = RequestTable(LEASE_SECONDS)
+        self._states: RequestTable[str, RequestState] = RequestTable(unscheduled_ttl_s)
+        self._requests: RequestTable[str, Any] = RequestTable(unscheduled_ttl_s)
         """vLLM's ``Request`` objects of live requests (their tokens grow as they decode)."""
         self._loads: list[tuple[str, tuple]] = []
         self._held: list[str] = []
