@@ -4,10 +4,11 @@ A scheduler learns of a request at its lookup (``get_num_new_matched_tokens``) a
 the engine says it finished or was aborted (``request_finished``). A request that was looked up
 but never scheduled (cancelled, rejected, or looked up again under a new id) would otherwise stay
 for ever; the table drops such an entry once ``unscheduled_ttl_s`` has passed since its lookup
-without the engine scheduling it (``mark_scheduled``). Scheduled requests stay until ``pop``.
+without the engine scheduling it (``mark_scheduled``: pages were allocated for it, or it was
+reported in a step). Scheduled requests stay until ``pop``.
 
 Who calls what: the TensorRT-LLM and vLLM scheduler halves (``gdskv.connectors``) ``put`` at the
-lookup, ``mark_scheduled`` at the request's first report, ``pop`` at finish / abort / preemption,
+lookup, ``mark_scheduled`` at the allocation and first report, ``pop`` at finish / abort / preemption,
 and ``expire`` once per step (``build_connector_meta``). Not thread-safe: a scheduler's callbacks
 come from one thread.
 """

@@ -49,8 +49,8 @@ from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine  # noqa: E40
 from gdskv.transfer import page_segments  # noqa: E402
 
 TPB = 64
-MODEL = ModelConfig(vocab_size=97, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=64,
-                    intermediate_size=512, seed=7)
+MODEL = ModelConfig(vocab_size=97, hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128,
+                    intermediate_size=256, seed=7)
 MODES = {"async": 0, "sync": None, "none": None}
 
 
@@ -116,12 +116,12 @@ def run(store: str, mode: str, long_prompt: list[int], decoders: int, steps: int
     drop_cache(store)
     engine, worker = stack(store, MODES[mode], slots, decoders)
     prompts = [prompt(16, 100 + i) for i in range(decoders)]
-    arrivals = [0] * decoders
+    arrivals, news = [0] * decoders, [steps] * decoders
     if mode != "none":
         prompts.append(long_prompt)
         arrivals.append(arrive)
-    results = engine.generate(prompts, steps, arrival_steps=arrivals) if mode == "none" else \
-        engine.generate(prompts, steps, arrival_steps=arrivals)
+        news.append(2)
+    results = engine.generate(prompts, news, arrival_steps=arrivals)
     worker.close()
     log = engine.step_log
     decoding = [i for i, s in enumerate(log) if len(s.decoding) >= decoders and not s.prefilling]
@@ -142,7 +142,7 @@ def run(store: str, mode: str, long_prompt: list[int], decoders: int, steps: int
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefix", default="4096,32768", help="prefix lengths in tokens, comma-separated")
-    ap.add_argument("--decoders", type=int, default=8)
+    ap.add_argument("--decoders", type=int, default=4)
     ap.add_argument("--steps", type=int, default=160, help="tokens each decoder generates")
     ap.add_argument("--arrive", type=int, default=20, help="step at which the restored request arrives")
     ap.add_argument("--dir", default=None, help="store directory (default: a temporary one, removed after)")

@@ -106,13 +106,13 @@ def test_other_requests_keep_decoding_while_a_prefix_loads(tmp_path):
 
     opener = threading.Thread(target=open_gate_after_steps, daemon=True)
     opener.start()
-    short, restored = engine.generate([SHORT, LONG], 16, arrival_steps=[0, 3])
+    short, restored = engine.generate([SHORT, LONG], [120, 16], arrival_steps=[0, 3])
     close(workers)
     loading = [s for s in engine.step_log if restored.request_id in s.loading]
     assert len(loading) >= 8, "the loading request was not held out of the batch while its load was in flight"
     assert all(short.request_id in s.decoding for s in loading), "the decoding request stalled while a prefix loaded"
     assert restored.prefill_tokens_loaded == 36
-    ref_short, ref_long = scratch([SHORT, LONG], 16, split=[None, 36])
+    ref_short, ref_long = scratch([SHORT, LONG], [120, 16], split=[None, 36])
     assert short.tokens == ref_short.tokens and restored.tokens == ref_long.tokens
     assert torch.equal(torch.stack(restored.logits), torch.stack(ref_long.logits))
 

@@ -165,5 +165,8 @@ def test_the_vllm_scheduler_drops_requests_looked_up_and_never_scheduled(tmp_pat
     assert sched.tracked == 4000
     time.sleep(TTL * 1.5)
     sched.build_meta(empty)
+    assert sched.tracked == 2 * 1000, "only the allocated (scheduled) requests stay"
+    for i in range(1, 2000, 2):  # finished or aborted: vLLM calls request_finished
+        assert sched.finished(NS(request_id=f"r{i}")) is False
     assert sched.tracked == 0
     sched.service.close()

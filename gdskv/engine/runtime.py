@@ -315,12 +315,13 @@ class ReferenceEngine:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
+        max_new_tokens: Union[int, Sequence[int]],
         cache_salts: Optional[Sequence[Optional[str]]] = None,
         split_prefill_at: Union[None, int, Sequence[Optional[int]]] = None,
         arrival_steps: Optional[Sequence[int]] = None,
     ) -> list[GenerationResult]:
-        """Greedy-decode ``max_new_tokens`` tokens for every prompt, all in one batch.
+        """Greedy-decode ``max_new_tokens`` tokens for every prompt (or that many per prompt), all
+        in one batch.
 
         ``split_prefill_at`` forces a prefill chunk boundary at that token (per prompt, or one for
         all): chunks run up to it, then restart from it. A run that loaded N tokens from the
@@ -328,8 +329,9 @@ class ReferenceEngine:
         prompt) holds a prompt back until that many steps of this call have run; its
         ``ttft_s`` counts from its arrival.
         """
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
+        news = [int(n) for n in max_new_tokens] if isinstance(max_new_tokens, Sequence) else [int(max_new_tokens)] * len(prompts)
+        if len(news) != len(prompts) or any(n < 1 for n in news):
+            raise ValueError("max_new_tokens must be >= 1 (one for all prompts, or one per prompt)")
         salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
         splits = list(split_prefill_at) if isinstance(split_prefill_at, Sequence) else [split_prefill_at] * len(prompts)
         arrivals = [int(a) for a in arrival_steps] if arrival_steps is not None else [0] * len(prompts)
@@ -337,16 +339,16 @@ class ReferenceEngine:
             raise ValueError("cache_salts, split_prefill_at and arrival_steps need one entry per prompt")
         now = time.perf_counter()
         requests = []
-        for prompt, salt, split in zip(prompts, salts, splits):
+        for prompt, salt, split, max_new in zip(prompts, salts, splits, news):
             tokens = [int(t) for t in prompt]
             if not tokens or not all(0 <= t < self.model_cfg.vocab_size for t in tokens):
                 raise ValueError(f"a prompt must be non-empty with token ids in [0, {self.model_cfg.vocab_size})")
-            request = EngineRequest(self._next_request_id, tokens, max_new_tokens, salt, split, now, len(self.kv.groups))
+            request = EngineRequest(self._next_request_id, tokens, max_new, salt, split, now, len(self.kv.groups))
             need = self._blocks_needed(request)
             for gid, capacity in enumerate(self.kv.allocator.capacity):
                 if need > capacity:
                     raise ValueError(
-                        f"a request of {len(tokens)} + {max_new_tokens} tokens needs {need} pages in layer group {gid}, "
+                        f"a request of {len(tokens)} + {max_new} tokens needs {need} pages in layer group {gid}, "
                         f"more than num_slots allows ({capacity})"
                     )
             self._next_request_id += 1

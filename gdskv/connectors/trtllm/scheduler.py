@@ -167,6 +167,7 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         tracked = self._requests.get(int(request.request_id))
         if tracked is None:
             return
+        self._requests.mark_scheduled(int(request.request_id))  # pages allocated: it runs, or is finished
         state = tracked.state
         if not tracked.load_async:
             state.record_alloc(block_ids_by_layer_group)

@@ -62,7 +62,8 @@ class SchedulerSide:
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = str(request.request_id)
-        self._requests.put(rid, request)
+        self._requests.put(rid, request, scheduled=True)  # blocks allocated: it runs, or is finished
+        self._states.mark_scheduled(rid)
         state = self._states.get(rid)
         if state is None:
             return
