@@ -28,6 +28,8 @@ O_DIRECT_MODES = ("off", "writes", "all")
 UPLOAD_MODES = ("behind", "through", "off")
 MIN_AUTH_KEY_BYTES = 16
 DEFAULT_FILE_MODE = 0o600
+DEFAULT_ASYNC_LOAD_MIN_BYTES = 16 << 20
+"""See ``GdsKvConfig.async_load_min_bytes`` and docs/trtllm.md (where the line is, and why)."""
 
 
 class ConfigError(ValueError):
@@ -227,6 +229,12 @@ class GdsKvConfig:
     misses)."""
     remote: Optional[RemoteConfig] = None
     """``[gdskv.remote]``: the shared tier on S3-compatible object storage; None: local only."""
+    async_load_min_bytes: Optional[int] = DEFAULT_ASYNC_LOAD_MIN_BYTES
+    """Smallest load (bytes per TP rank) a connector makes asynchronous where the engine allows it
+    (TensorRT-LLM: ``is_async=True``; the request is held out of the batch until the load is
+    reported finished, so it never stalls the other requests' steps). Smaller loads run inside
+    the forward pass, overlapped per layer, which saves the loading request a step. 0: every
+    load asynchronous; ``None`` (``false`` in TOML): none."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -251,7 +259,9 @@ class GdsKvConfig:
             raise bad("fsync", f"must be true or false, got {self.fsync!r}")
         if not isinstance(self.window_aware, bool):
             raise bad("window_aware", f"must be true or false, got {self.window_aware!r}")
-        for key in ("kvikio_task_size", "max_bytes", "min_free_bytes"):
+        if self.async_load_min_bytes is False:  # TOML has no None: false turns asynchronous loads off
+            self.async_load_min_bytes = None
+        for key in ("kvikio_task_size", "max_bytes", "min_free_bytes", "async_load_min_bytes"):
             v = getattr(self, key)
             if v is None:
                 continue

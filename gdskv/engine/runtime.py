@@ -22,12 +22,20 @@ One step, in order (the spec's call sequence):
 A step with nothing to compute (every admitted request loading or saving) still makes every call
 above, the per-layer ones included, so workers are polled until their transfers finish.
 
+An asynchronously loading request sits outside the forward pass: the other requests keep
+stepping (decoding, prefilling) while its pages fill, and it joins the batch in the step after
+every rank's ``get_finished`` reported it loaded. ``generate(arrival_steps=...)`` lets a request
+arrive while others run, and ``step_log`` records every step's duration and batch (what
+``scripts/bench_decode_under_load.py`` measures).
+
 Extension (not in TensorRT-LLM): if a worker has ``get_load_failures() -> list[int]``, the engine
-calls it once per step after ``wait_for_save``. A listed request whose loaded prefix has not yet
-been through a complete step has that prefix discarded: the step's result for it is dropped and
-it recomputes from token 0 on the same pages (its next report has ``computed_position`` 0 and no
-new blocks). This is how the store's promise "a corrupt chunk is a miss, never wrong KV" is
-checked end to end; a worker using it must not save KV computed on top of a failed load.
+calls it once per step after ``wait_for_save`` and again after ``get_finished``. A listed request
+whose loaded prefix has not yet been through a complete step has that prefix discarded: the
+step's result for it is dropped (or, loading asynchronously, it joins the batch with nothing
+loaded) and it recomputes from token 0 on the same pages (its next report has
+``computed_position`` 0 and no new blocks). This is how the store's promise "a corrupt chunk is
+a miss, never wrong KV" is checked end to end; a worker using it must not save KV computed on top
+of a failed load.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ import logging
 import pickle
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -53,6 +62,18 @@ SCHEDULER_METHODS = ("get_num_new_matched_tokens", "build_connector_meta")
 SPEC_BASE_CLASSES = ("KvCacheConnectorScheduler", "KvCacheConnectorWorker")
 """The spec's base classes (TensorRT-LLM's, or a stand-in of the same name): their methods are defaults."""
 WORKER_METHODS = ("bind_connector_meta", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of ``ReferenceEngine``: its wall time (admission through ``get_finished``) and
+    the requests it computed (``decoding``: past their prompt; ``prefilling``) or held out of the
+    forward pass while they loaded (``loading``)."""
+
+    seconds: float
+    decoding: tuple[int, ...]
+    prefilling: tuple[int, ...]
+    loading: tuple[int, ...]
 
 
 class ConnectorError(RuntimeError):
@@ -210,6 +231,10 @@ class ConnectorDriver:
         """``wait_for_save`` on every worker, then the (extension) load failures of any rank."""
         for worker in self.workers:
             worker.wait_for_save(None)
+        return self.load_failures()
+
+    def load_failures(self) -> set[int]:
+        """The (extension) ``get_load_failures`` of every rank that has it, together."""
         failed: set[int] = set()
         for worker in self.workers:
             if callable(getattr(worker, "get_load_failures", None)):
@@ -225,6 +250,11 @@ class ConnectorDriver:
                 for rid in ids:
                     reports.setdefault(int(rid), set()).add(rank)
         return self._reported_by_every_rank(self._save_reports), self._reported_by_every_rank(self._load_reports)
+
+    def forget(self, request_id: int) -> None:
+        """Drop partial reports of a request that is gone."""
+        self._save_reports.pop(request_id, None)
+        self._load_reports.pop(request_id, None)
 
     def _reported_by_every_rank(self, reports: dict[int, set[int]]) -> set[int]:
         """Take the ids every rank has reported out of ``reports``."""
@@ -261,6 +291,13 @@ class ReferenceEngine:
         # Ids every rank has reported saved, kept until the request is complete: a worker may
         # report a save done before it is told the request finished.
         self._saved_ready: set[int] = set()
+        self._failed_loads: set[int] = set()
+        """Ids some rank reported a failed load for, kept until the request uses or drops it."""
+        self._arrivals: list[tuple[int, EngineRequest]] = []
+        """(step, request) not yet arrived (``generate(arrival_steps=...)``)."""
+        self._steps = 0
+        self.step_log: list[StepRecord] = []
+        """Every step ``generate`` ran (``StepRecord``), appended as they complete."""
 
     @property
     def layouts(self) -> list[KvCacheLayout]:
@@ -278,39 +315,47 @@ class ReferenceEngine:
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
+        max_new_tokens: Union[int, Sequence[int]],
         cache_salts: Optional[Sequence[Optional[str]]] = None,
         split_prefill_at: Union[None, int, Sequence[Optional[int]]] = None,
+        arrival_steps: Optional[Sequence[int]] = None,
     ) -> list[GenerationResult]:
-        """Greedy-decode ``max_new_tokens`` tokens for every prompt, all in one batch.
+        """Greedy-decode ``max_new_tokens`` tokens for every prompt (or that many per prompt), all
+        in one batch.
 
         ``split_prefill_at`` forces a prefill chunk boundary at that token (per prompt, or one for
         all): chunks run up to it, then restart from it. A run that loaded N tokens from the
-        connector is bit-identical to a from-scratch run split at N.
+        connector is bit-identical to a from-scratch run split at N. ``arrival_steps`` (one per
+        prompt) holds a prompt back until that many steps of this call have run; its
+        ``ttft_s`` counts from its arrival.
         """
-        if max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
+        news = [int(n) for n in max_new_tokens] if isinstance(max_new_tokens, Sequence) else [int(max_new_tokens)] * len(prompts)
+        if len(news) != len(prompts) or any(n < 1 for n in news):
+            raise ValueError("max_new_tokens must be >= 1 (one for all prompts, or one per prompt)")
         salts = list(cache_salts) if cache_salts is not None else [None] * len(prompts)
         splits = list(split_prefill_at) if isinstance(split_prefill_at, Sequence) else [split_prefill_at] * len(prompts)
-        if len(salts) != len(prompts) or len(splits) != len(prompts):
-            raise ValueError("cache_salts and split_prefill_at need one entry per prompt")
+        arrivals = [int(a) for a in arrival_steps] if arrival_steps is not None else [0] * len(prompts)
+        if len(salts) != len(prompts) or len(splits) != len(prompts) or len(arrivals) != len(prompts):
+            raise ValueError("cache_salts, split_prefill_at and arrival_steps need one entry per prompt")
         now = time.perf_counter()
         requests = []
-        for prompt, salt, split in zip(prompts, salts, splits):
+        for prompt, salt, split, max_new in zip(prompts, salts, splits, news):
             tokens = [int(t) for t in prompt]
             if not tokens or not all(0 <= t < self.model_cfg.vocab_size for t in tokens):
                 raise ValueError(f"a prompt must be non-empty with token ids in [0, {self.model_cfg.vocab_size})")
-            request = EngineRequest(self._next_request_id, tokens, max_new_tokens, salt, split, now, len(self.kv.groups))
+            request = EngineRequest(self._next_request_id, tokens, max_new, salt, split, now, len(self.kv.groups))
             need = self._blocks_needed(request)
             for gid, capacity in enumerate(self.kv.allocator.capacity):
                 if need > capacity:
                     raise ValueError(
-                        f"a request of {len(tokens)} + {max_new_tokens} tokens needs {need} pages in layer group {gid}, "
+                        f"a request of {len(tokens)} + {max_new} tokens needs {need} pages in layer group {gid}, "
                         f"more than num_slots allows ({capacity})"
                     )
             self._next_request_id += 1
             requests.append(request)
-        self._waiting.extend(requests)
+        self._steps = 0
+        self._arrivals = sorted(((a, r) for a, r in zip(arrivals, requests) if a > 0), key=lambda ar: ar[0])
+        self._waiting.extend(r for a, r in zip(arrivals, requests) if a <= 0)
         threads = torch.get_num_threads()
         if self.engine_cfg.intra_op_threads is not None:
             torch.set_num_threads(self.engine_cfg.intra_op_threads)
@@ -328,7 +373,11 @@ class ReferenceEngine:
     def _run_until_drained(self) -> None:
         """Step until no request waits, runs, loads or saves; raise if the connector stalls."""
         last_progress = time.monotonic()
-        while self._waiting or self._active:
+        while self._waiting or self._active or self._arrivals:
+            while self._arrivals and self._arrivals[0][0] <= self._steps:
+                _, request = self._arrivals.pop(0)
+                request.arrival_s = time.perf_counter()
+                self._waiting.append(request)
             if self._step():
                 last_progress = time.monotonic()
                 continue
@@ -390,6 +439,8 @@ class ReferenceEngine:
 
     def _step(self) -> bool:
         """One scheduler iteration (see the module docstring); True if any request made progress."""
+        began = time.perf_counter()
+        self._steps += 1
         self._reclaim_passed_pages()
         admitted, started_loading = self._admit_waiting()
         scheduled = [r for r in self._active if r.state is RequestState.RUNNING]
@@ -404,7 +455,9 @@ class ReferenceEngine:
         if self.connector:
             self.connector.begin_step(output)
         last_rows = self._forward(scheduled, chunks)
-        discarded = self._discard_failed_loads(self.connector.end_forward() if self.connector else set())
+        if self.connector:
+            self._failed_loads |= self.connector.end_forward()
+        discarded = self._discard_failed_loads()
 
         finished_gen: list[int] = []
         for r in scheduled:
@@ -419,7 +472,11 @@ class ReferenceEngine:
                 r.generated.append(int(torch.argmax(logits)))
             if r.is_complete:
                 self._complete(r, finished_gen)
+        loading = tuple(r.request_id for r in self._active if r.state is RequestState.LOADING)
         moved = self._poll_finished(finished_gen, started_loading)
+        decoding = tuple(r.request_id for r in scheduled if chunks[r.request_id][0] >= r.prompt_len)
+        prefilling = tuple(r.request_id for r in scheduled if chunks[r.request_id][0] < r.prompt_len)
+        self.step_log.append(StepRecord(time.perf_counter() - began, decoding, prefilling, loading))
         return moved or bool(scheduled or admitted)
 
     def _reclaim_passed_pages(self) -> None:
@@ -466,36 +523,49 @@ class ReferenceEngine:
                 self.connector.after_layer(layer)
         return {rid: out[-1] for rid, out in rows.items()}
 
-    def _discard_failed_loads(self, failed: set[int]) -> set[int]:
-        """Apply the ``get_load_failures`` extension; return the ids whose loaded prefix was dropped."""
+    def _discard_failed_loads(self) -> set[int]:
+        """Apply the ``get_load_failures`` extension to running requests; return the ids whose
+        loaded prefix was dropped (a loading request's failure waits for ``_poll_finished``)."""
         discarded = set()
         for r in self._active:
-            if r.request_id not in failed or r.state not in (RequestState.RUNNING, RequestState.LOADING):
+            if r.request_id not in self._failed_loads or r.state is RequestState.LOADING:
+                continue
+            self._failed_loads.discard(r.request_id)
+            if r.state is not RequestState.RUNNING:
                 continue
             if r.prefix_verified:
                 log.warning("connector reported a load failure for request %d after its loaded KV was used; ignored", r.request_id)
                 continue
-            log.warning("connector reported a load failure for request %d: recomputing its %d loaded tokens", r.request_id, r.num_loaded)
-            r.num_loaded = r.num_computed = 0
-            r.prefix_verified = True
+            self._drop_loaded_prefix(r)
             discarded.add(r.request_id)
         return discarded
+
+    def _drop_loaded_prefix(self, r: EngineRequest) -> None:
+        log.warning("connector reported a load failure for request %d: recomputing its %d loaded tokens", r.request_id, r.num_loaded)
+        r.num_loaded = r.num_computed = 0
+        r.prefix_verified = True
 
     def _poll_finished(self, finished_gen: list[int], started_loading: list[int]) -> bool:
         """``get_finished`` on every worker: release saved requests, start loaded ones. True if any."""
         if not self.connector:
             return False
         saved, loaded = self.connector.poll_finished(finished_gen, started_loading)
+        self._failed_loads |= self.connector.load_failures()
         self._saved_ready |= saved
         moved = False
         for r in list(self._active):
             if r.state is RequestState.SAVING and r.request_id in self._saved_ready:
                 self._saved_ready.discard(r.request_id)
+                self.connector.forget(r.request_id)
                 self._release(r)
                 moved = True
             elif r.state is RequestState.LOADING and r.request_id in loaded:
                 r.state = RequestState.RUNNING
+                if r.request_id in self._failed_loads:
+                    self._failed_loads.discard(r.request_id)
+                    self._drop_loaded_prefix(r)
                 moved = True
+        self._failed_loads &= {r.request_id for r in self._active}  # reports about requests gone
         return moved
 
     def _complete(self, request: EngineRequest, finished_gen: list[int]) -> None:

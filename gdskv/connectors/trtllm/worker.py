@@ -17,6 +17,7 @@ from gdskv import streams
 from gdskv.config import GdsKvConfig, load_config
 from gdskv.connectors.trtllm.base import KvCacheConnectorWorker
 from gdskv.connectors.trtllm.deployment import ConnectorSetupError, Deployment, peers
+from gdskv.connectors.trtllm.inflight import settle, settle_loads
 from gdskv.connectors.trtllm.layout_check import check_layout, region_tensors
 from gdskv.layout import single_pool_layout
 from gdskv.planner import ConnectorMetadata
@@ -50,7 +51,9 @@ class GdsKvWorker(KvCacheConnectorWorker):
     layer ``i``'s group, ``save_kv_layer(i)`` posts a group's saves once its last layer has been
     computed (a page holds every layer of its group), ``wait_for_save`` makes sure every save is
     posted. No save blocks the step: saves finish in the background and are reported by
-    ``get_finished``.
+    ``get_finished``. Loads the scheduler made asynchronous (``StepMetadata.async_loads``) are
+    posted in ``start_load_kv`` too but never awaited in the step: ``get_finished`` reports the
+    request loaded once every page landed, and ``get_load_failures`` lists it if one did not.
 
     Device ordering (``gdskv.streams``): a readiness recorded on the engine's stream when the slots
     are handed over (``start_load_kv`` for loads, the group's last ``save_kv_layer`` for saves) is
@@ -86,6 +89,9 @@ class GdsKvWorker(KvCacheConnectorWorker):
         self._groups_posted: set[int] = set()
         # across steps
         self._loads: dict[int, list[Future]] = {}
+        """Loads inside the forward pass (awaited per layer), per request, until settled."""
+        self._async_loads: dict[int, list[Future]] = {}
+        """Asynchronous loads (the request is outside the batch), per request, until all landed."""
         self._saves: dict[int, list[Future]] = {}
         self._awaiting_save: dict[int, None] = {}
         self._awaiting_load: dict[int, None] = {}
@@ -148,7 +154,8 @@ class GdsKvWorker(KvCacheConnectorWorker):
 
     # -- one step -----------------------------------------------------------------------------
     def start_load_kv(self, stream: Any) -> None:
-        """Start of the forward pass: post this step's loads (all groups) and reset step state."""
+        """Start of the forward pass: post this step's loads (all groups) and reset step state
+        (load failures not collected by the previous step's end are forgotten)."""
         meta = self._metadata if isinstance(self._metadata, ConnectorMetadata) else None
         if meta is not None and meta.step <= self._last_step:
             meta = None  # already executed: the runtime bound no new metadata this step
@@ -158,8 +165,10 @@ class GdsKvWorker(KvCacheConnectorWorker):
         self._groups_posted.clear()
         if self._transfer is None or meta is None:
             return
+        self._load_failures.clear()
         self._last_step = meta.step
         self._peers.forget_before(meta.step)
+        background = getattr(meta, "async_loads", frozenset())
         ready = None
         for gid in self._group_layers:
             group = self._layout.group(gid)
@@ -167,6 +176,9 @@ class GdsKvWorker(KvCacheConnectorWorker):
                 if ready is None:  # kernels queued so far may still use the slots: loads wait for them
                     ready = streams.record_ready(stream, [self._device])
                 fut = self.service.load(gid, op.key, page_segments(group, op.page_slot), ready=ready)
+                if rid in background:
+                    self._async_loads.setdefault(rid, []).append(fut)
+                    continue
                 self._step_loads[gid].append((rid, fut))
                 self._loads.setdefault(rid, []).append(fut)
 
@@ -196,15 +208,23 @@ class GdsKvWorker(KvCacheConnectorWorker):
     def get_finished(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
         """Ids whose saves (resp. loads) are complete, only among ids ever passed in here; the rest
         stay pending and are reported by a later call. A save is complete once its chunk is
-        published (or found existing, or dropped)."""
+        published (or found existing, or dropped); a finished request is reported saved only once
+        no load into its pages is in flight either (one aborted while loading). A request whose
+        asynchronous load did not land whole is reported loaded and listed by
+        ``get_load_failures``."""
         for rid in finished_gen_req_ids:
             self._awaiting_save[int(rid)] = None
         for rid in started_loading_req_ids:
             self._awaiting_load[int(rid)] = None
-        _settle(self._saves, "save")
-        _settle(self._loads, None)  # logged when awaited, in _finish_loads
-        saved = [rid for rid in self._awaiting_save if rid not in self._saves]
-        loaded = [rid for rid in self._awaiting_load if rid not in self._loads]
+        settle(self._saves, "save")
+        settle(self._loads, None)  # logged when awaited, in _finish_loads
+        for rid, bad, total in settle_loads(self._async_loads):
+            log.warning("gdskv: %d of %d asynchronous page loads of request %d failed; its KV is recomputed where the "
+                        "engine can", bad, total, rid)
+            self._load_failures[rid] = None
+        busy = self._saves.keys() | self._loads.keys() | self._async_loads.keys()
+        saved = [rid for rid in self._awaiting_save if rid not in busy]
+        loaded = [rid for rid in self._awaiting_load if rid not in self._loads and rid not in self._async_loads]
         for rid in saved:
             del self._awaiting_save[rid]
         for rid in loaded:
@@ -213,8 +233,10 @@ class GdsKvWorker(KvCacheConnectorWorker):
 
     def get_load_failures(self) -> list[int]:
         """Reference-engine extension (TensorRT-LLM has no such hook): request ids whose loaded KV
-        failed verification (missing or corrupt chunk) since the last call; the engine recomputes
-        them. Called by the reference engine after ``wait_for_save``."""
+        failed verification (missing or corrupt chunk) since the last call (at most since this
+        step's ``start_load_kv``); the engine recomputes them. Called by the reference engine
+        after ``wait_for_save`` (loads in the forward pass) and after ``get_finished``
+        (asynchronous loads)."""
         failed = list(self._load_failures)
         self._load_failures.clear()
         return failed
@@ -239,6 +261,12 @@ class GdsKvWorker(KvCacheConnectorWorker):
             self._load_failures[rid] = None
             if self._step_meta is not None:
                 self._peers.load_failed(self._step_meta.step, rid)
+
+    @property
+    def tracked(self) -> int:
+        """Entries in this worker's per-request maps (the leak checks read it)."""
+        return sum(map(len, (self._loads, self._async_loads, self._saves, self._awaiting_save, self._awaiting_load,
+                             self._load_failures)))
 
     def _post_saves(self, gid: int, stream: Any) -> None:
         """Post group ``gid``'s saves of this step (once), skipping requests whose load failed in
@@ -268,17 +296,3 @@ class GdsKvWorker(KvCacheConnectorWorker):
             fut = self.service.save(gid, op.key, op.parent_key, segments, ready=page_ready)
             self._saves.setdefault(rid, []).append(fut)
 
-
-def _settle(inflight: dict[int, list[Future]], what: Optional[str]) -> None:
-    """Drop finished futures (logging a failed ``what`` once) and requests with none left."""
-    for rid in list(inflight):
-        pending = []
-        for fut in inflight[rid]:
-            if not fut.done():
-                pending.append(fut)
-            elif what is not None and fut.exception() is not None:
-                log.warning("gdskv: a %s failed: %s", what, fut.exception())
-        if pending:
-            inflight[rid] = pending
-        else:
-            del inflight[rid]

@@ -12,8 +12,13 @@ Flow per request, as vLLM 0.32 calls it:
    once they are done (failed blocks through ``get_block_ids_with_load_errors``).
 3. ``build_meta`` (every step): each scheduled request's report goes through
    ``planner.plan_step``, which saves every block as soon as its tokens are computed.
-4. ``finished`` (``request_finished``): the blocks stay allocated (True) while saves planned
-   for the request may still be reading them; the workers report it in ``finished_sending``.
+4. ``finished`` (``request_finished``, also for an aborted request): the blocks stay allocated
+   (True) while saves planned for the request may still be reading them; the workers report it
+   in ``finished_sending``.
+
+Per-request state lives in ``RequestTable``s: dropped at finish, abort and preemption, and, for a
+request looked up but never scheduled, after ``unscheduled_ttl_s`` (default ``LEASE_SECONDS``;
+``build_meta`` expires them).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ import logging
 from typing import Any, Optional
 
 from gdskv.planner import RequestState, StepReport, new_request, plan_step, take_promised_loads
-from gdskv.service import KvService
+from gdskv.request_state import RequestTable
+from gdskv.service import LEASE_SECONDS, KvService
 from gdskv.connectors.vllm.translate import StepMeta, block_ids_of, tokens_of
 
 log = logging.getLogger(__name__)
@@ -30,12 +36,12 @@ log = logging.getLogger(__name__)
 class SchedulerSide:
     """State of the scheduler role; ``service`` checks every TP shard's namespace."""
 
-    def __init__(self, service: KvService):
+    def __init__(self, service: KvService, unscheduled_ttl_s: float = LEASE_SECONDS):
         self.service = service
         self.tokens_per_block = service.tokens_per_block
         self.windows = list(service.windows)
-        self._states: dict[str, RequestState] = {}
-        self._requests: dict[str, Any] = {}
+        self._states: RequestTable[str, RequestState] = RequestTable(unscheduled_ttl_s)
+        self._requests: RequestTable[str, Any] = RequestTable(unscheduled_ttl_s)
         """vLLM's ``Request`` objects of live requests (their tokens grow as they decode)."""
         self._loads: list[tuple[str, tuple]] = []
         self._held: list[str] = []
@@ -49,14 +55,15 @@ class SchedulerSide:
             return 0, False
         salt = getattr(request, "cache_salt", None)
         found = self.service.lookup(tokens, salt, num_computed_tokens)
-        self._states[rid] = new_request(rid, tokens, salt, self.tokens_per_block, len(self.windows), found)
-        self._requests[rid] = request
+        self._states.put(rid, new_request(rid, tokens, salt, self.tokens_per_block, len(self.windows), found))
+        self._requests.put(rid, request)
         n = found.num_new_tokens
         return n, n > 0
 
     def allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = str(request.request_id)
-        self._requests[rid] = request
+        self._requests.put(rid, request, scheduled=True)  # blocks allocated: it runs, or is finished
+        self._states.mark_scheduled(rid)
         state = self._states.get(rid)
         if state is None:
             return
@@ -69,9 +76,11 @@ class SchedulerSide:
     # -- build_connector_meta ----------------------------------------------------------------------
     def build_meta(self, out: Any) -> StepMeta:
         self._step += 1
+        self._states.expire()
+        self._requests.expire()
         preempted = tuple(str(r) for r in (getattr(out, "preempted_req_ids", None) or ()))
         for rid in preempted:  # its blocks are freed; a later lookup starts it afresh
-            self._states.pop(rid, None)
+            self._states.pop(rid)
         meta = StepMeta(step=self._step, loads=self._loads, held=tuple(self._held), preempted=preempted)
         self._loads, self._held = [], []
         scheduled = out.num_scheduled_tokens
@@ -101,9 +110,11 @@ class SchedulerSide:
         state = self._states.get(rid)
         if first and (state is None or state.reported):
             state = new_request(rid, tokens, self._salt(rid), self.tokens_per_block, len(self.windows))
-            self._states[rid] = state
+            self._states.put(rid, state, scheduled=True)
         if state is None:
             return
+        self._states.mark_scheduled(rid)
+        self._requests.mark_scheduled(rid)
         new_tokens = tokens if first else tokens[len(state.tokens):]
         report = StepReport(rid, new_tokens, block_ids, int(computed), int(scheduled), state.cache_salt)
         plan = plan_step(state, report, first, self.windows, self.service.stored)
@@ -115,13 +126,18 @@ class SchedulerSide:
         request = self._requests.get(rid)
         return getattr(request, "cache_salt", None) if request is not None else None
 
+    @property
+    def tracked(self) -> int:
+        """Entries in the per-request maps (the leak checks read it)."""
+        return len(self._states) + len(self._requests)
+
     # -- request_finished --------------------------------------------------------------------------
     def finished(self, request: Any) -> bool:
         """True (keep the blocks) when saves were planned for the request: the workers report it
         in ``finished_sending`` once every one of them is done."""
         rid = str(request.request_id)
-        state = self._states.pop(rid, None)
-        self._requests.pop(rid, None)
+        state = self._states.pop(rid)
+        self._requests.pop(rid)
         hold = state is not None and state.saves_planned > 0
         if hold:
             self._held.append(rid)

@@ -1,0 +1,45 @@
+"""The TensorRT-LLM worker's transfers in flight, per request: settling them for ``get_finished``.
+
+``GdsKvWorker`` keeps one ``{request id: [futures]}`` map per kind (loads in the forward pass,
+asynchronous loads, saves) and settles them here at every ``get_finished``; a request leaves its
+map as soon as nothing of that kind is in flight for it, so no entry outlives its transfers.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Optional
+
+from gdskv.transfer import LoadStatus
+
+log = logging.getLogger(__name__)
+
+
+def settle(inflight: dict[int, list[Future]], what: Optional[str]) -> None:
+    """Drop finished futures (logging a failed ``what`` once) and requests with none left."""
+    for rid in list(inflight):
+        pending = []
+        for fut in inflight[rid]:
+            if not fut.done():
+                pending.append(fut)
+            elif what is not None and fut.exception() is not None:
+                log.warning("gdskv: a %s failed: %s", what, fut.exception())
+        if pending:
+            inflight[rid] = pending
+        else:
+            del inflight[rid]
+
+
+def settle_loads(inflight: dict[int, list[Optional[Future]]]) -> list[tuple[int, int, int]]:
+    """Take the requests whose loads have all finished out of ``inflight``; for each one with a
+    load that did not come back ``LOADED`` (failed, cancelled, not posted), ``(request id,
+    failed loads, loads)``."""
+    failed = []
+    for rid, futures in list(inflight.items()):
+        if not all(f is None or f.done() for f in futures):
+            continue
+        del inflight[rid]
+        bad = sum(1 for f in futures if f is None or f.cancelled() or f.exception() is not None or f.result() is not LoadStatus.LOADED)
+        if bad:
+            failed.append((rid, bad, len(futures)))
+    return failed

@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Decode latency of N requests while another request's long prefix is restored from the store.
+
+    python scripts/bench_decode_under_load.py [--prefix 4096,32768] [--decoders 8] [--dir DIR] [--json]
+
+On the reference engine with gdskv's TensorRT-LLM connector and a real store: N short requests
+decode; at step ``--arrive`` a request whose prompt has a ``--prefix``-token stored prefix arrives
+and is restored, with
+
+- ``async``: ``async_load_min_bytes = 0`` (``is_async=True``: the request waits outside the batch
+  until ``get_finished`` reports its pages in place);
+- ``sync``: ``async_load_min_bytes = None`` (the load runs inside the forward pass of the step
+  that admits it, as TensorRT-LLM's ``is_async=False`` does);
+- ``none``: no such request at all (the baseline).
+
+Printed per prefix and mode: p50 / p99 of the decoders' step time over the *load window* (the
+steps between the restored request's arrival and its joining the batch: in ``async`` the steps it
+was held out while loading, in ``sync`` the admitting step that carried the load, in ``none`` as
+many steps at the same point), the same over every decode step of the run, the step in which
+the restored request first computes ("join", which attends over its whole prefix and so is slow
+in any mode), the load's bytes and the restored request's TTFT; then a ratio line per prefix:
+async p99 / none p99 over the load window (target <= 1.2 at 32k tokens) and sync's.
+
+The stored prefix is random KV published under the prompt's real block keys (a benchmark of
+the load path, not of the model). Cold reads: every chunk file's page cache is dropped with
+``posix_fadvise(POSIX_FADV_DONTNEED)`` before each run (no root needed), and the store reads
+with O_DIRECT (``o_direct = "all"``, gdskv's default) anyway.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from gdskv.config import GdsKvConfig  # noqa: E402
+from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs  # noqa: E402
+from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine  # noqa: E402
+from gdskv.transfer import page_segments  # noqa: E402
+
+TPB = 64
+MODEL = ModelConfig(vocab_size=97, hidden_size=128, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=128,
+                    intermediate_size=256, seed=7)
+MODES = {"async": 0, "sync": None, "none": None}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, MODEL.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def stack(store: str, threshold: Optional[int], slots: int, decoders: int) -> tuple[ReferenceEngine, GdsKvWorker]:
+    cfg = GdsKvConfig(store_path=store, async_load_min_bytes=threshold)
+    args = StandaloneLlmArgs.build(MODEL.fingerprint(), TPB)
+    scheduler, worker = GdsKvScheduler(args, config=cfg), GdsKvWorker(args, config=cfg)
+    ecfg = EngineConfig(tokens_per_block=TPB, num_slots=slots, chunk_size=1 << 20, max_batch=decoders + 1,
+                        async_timeout_s=300.0)
+    return ReferenceEngine(MODEL, ecfg, scheduler, [worker]), worker
+
+
+def publish_prefix(store: str, tokens: list[int], slots: int) -> int:
+    """Publish random KV under every full block key of ``tokens``; the bytes published."""
+    engine, worker = stack(store, None, slots, 1)
+    service = worker.service
+    keys = service.keys(tokens)
+    group = engine.layouts[0].group(0)
+    segments = page_segments(group, 0)
+    gen = torch.Generator().manual_seed(1)
+    futures = []
+    for i, key in enumerate(keys):
+        for s in segments:
+            s.view(torch.uint8).copy_(torch.randint(0, 256, s.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
+        futures.append(service.save(0, key, keys[i - 1] if i else None, segments))
+        futures[-1].result()  # the page is reused for the next block
+    worker.close()
+    return len(keys) * service.bytes_per_page(0)
+
+
+def drop_cache(store: str) -> int:
+    """``POSIX_FADV_DONTNEED`` on every file under the store; how many files."""
+    n = 0
+    for root, _, files in os.walk(store):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+    return n
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run(store: str, mode: str, long_prompt: list[int], decoders: int, steps: int, arrive: int, slots: int) -> dict[str, Any]:
+    drop_cache(store)
+    engine, worker = stack(store, MODES[mode], slots, decoders)
+    prompts = [prompt(16, 100 + i) for i in range(decoders)]
+    arrivals, news = [0] * decoders, [steps] * decoders
+    if mode != "none":
+        prompts.append(long_prompt)
+        arrivals.append(arrive)
+        news.append(2)
+    results = engine.generate(prompts, news, arrival_steps=arrivals)
+    worker.close()
+    log = engine.step_log
+    decoding = [i for i, s in enumerate(log) if len(s.decoding) >= decoders and not s.prefilling]
+    restored = results[-1] if mode != "none" else None
+    if restored is not None:
+        rid = restored.request_id
+        joined = next(i for i, s in enumerate(log) if rid in s.prefilling + s.decoding)
+        window = [i for i, s in enumerate(log) if rid in s.loading] if mode == "async" else [joined]
+        join_s = log[joined].seconds
+    else:
+        window, join_s = [], float("nan")
+    return {"log": [s.seconds for s in log], "decode_steps": decoding, "window": window, "join_s": join_s,
+            "ttft_s": restored.ttft_s if restored is not None else float("nan"),
+            "loaded": restored.prefill_tokens_loaded if restored is not None else 0,
+            "bytes_loaded": worker.counters.loads_loaded}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix", default="4096,32768", help="prefix lengths in tokens, comma-separated")
+    ap.add_argument("--decoders", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=160, help="tokens each decoder generates")
+    ap.add_argument("--arrive", type=int, default=20, help="step at which the restored request arrives")
+    ap.add_argument("--dir", default=None, help="store directory (default: a temporary one, removed after)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    prefixes = [int(p) for p in a.prefix.split(",")]
+    root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="gdskv-bench-dul-"))
+    rows = []
+    try:
+        for prefix in prefixes:
+            store = str(root / f"store-{prefix}")
+            long_prompt = prompt(prefix + 1, 9)  # every prefix token servable, one left to compute
+            slots = prefix // TPB + a.decoders * (-(-(16 + a.steps) // TPB)) + 8
+            nbytes = publish_prefix(store, long_prompt, slots)
+            per_mode = {}
+            for mode in ("none", "async", "sync"):
+                r = run(store, mode, long_prompt, a.decoders, a.steps, a.arrive, slots)
+                per_mode[mode] = r
+            # the no-load baseline's window: as many decode steps as async's, from the same step on
+            n = max(1, len(per_mode["async"]["window"]))
+            base = [i for i in per_mode["none"]["decode_steps"] if i >= a.arrive][:n]
+            per_mode["none"]["window"] = base
+            for mode, r in per_mode.items():
+                win = [r["log"][i] for i in r["window"]]
+                every = [r["log"][i] for i in r["decode_steps"]]
+                rows.append({"prefix": prefix, "mode": mode, "bytes": nbytes if mode != "none" else 0,
+                             "window_steps": len(win), "win_p50_ms": pct(win, .5) * 1e3, "win_p99_ms": pct(win, .99) * 1e3,
+                             "all_p50_ms": pct(every, .5) * 1e3, "all_p99_ms": pct(every, .99) * 1e3,
+                             "join_ms": r["join_s"] * 1e3, "ttft_ms": r["ttft_s"] * 1e3, "loaded": r["loaded"]})
+            shutil.rmtree(store, ignore_errors=True)
+    finally:
+        if not a.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"reference engine: {MODEL.num_layers} layers, {MODEL.num_kv_heads} KV heads x {MODEL.head_dim}, fp32 KV "
+          f"({2 * MODEL.num_layers * MODEL.num_kv_heads * MODEL.head_dim * 4 // 1024} KiB/token), {TPB} tokens/block; "
+          f"{a.decoders} decoders; restored request arrives at step {a.arrive}; page cache dropped (fadvise) + O_DIRECT reads")
+    head = f"{'prefix':>7} {'mode':>5} {'MiB':>6} {'win steps':>9} {'win p50':>8} {'win p99':>8} {'all p50':>8} {'all p99':>8} {'join':>8} {'TTFT':>8} {'loaded':>7}"
+    print(head)
+    for r in rows:
+        print(f"{r['prefix']:>7} {r['mode']:>5} {r['bytes'] / 2**20:>6.0f} {r['window_steps']:>9} {r['win_p50_ms']:>7.2f}m "
+              f"{r['win_p99_ms']:>7.2f}m {r['all_p50_ms']:>7.2f}m {r['all_p99_ms']:>7.2f}m {r['join_ms']:>7.1f}m {r['ttft_ms']:>7.1f}m {r['loaded']:>7}")
+    for prefix in prefixes:
+        by = {r["mode"]: r for r in rows if r["prefix"] == prefix}
+        base = by["none"]["win_p99_ms"]
+        print(f"ratio prefix={prefix}: async p99 / no-load p99 = {by['async']['win_p99_ms'] / base:.2f} (target <= 1.2); "
+              f"sync p99 / no-load p99 = {by['sync']['win_p99_ms'] / base:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
