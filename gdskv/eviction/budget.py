@@ -124,13 +124,13 @@ class Budget:
             self.start_background()
         if self._try_reserve(nbytes):
             return True
-        if self._used is None:
-            return False  # the index is not read yet: the conservative estimate says no
         if not self._evicting.acquire(timeout=self.max_wait_seconds):
             return False  # another thread is still making room: a late save is worth less than a free thread
         try:
             if self._try_reserve(nbytes):  # another thread evicted meanwhile
                 return True
+            if self._used is None and not self._count(walk=False):
+                return False  # no index yet (the background thread walks the store): the conservative estimate says no
             if parent is not None and not ns.contains(group, parent):
                 return False  # the chunk would be unservable: not worth evicting anything for
             need = self._need(nbytes)
@@ -228,25 +228,34 @@ class Budget:
         """Read the store's bytes from the index (a walk first when there is none, or when the
         last one is older than ``rewalk_seconds``; the index folded when its journals grew).
         Called on the background thread (``start_background``), and by tests."""
+        summary = self._count(walk=True)
+        if summary is None:
+            return None
+        if time.time_ns() - summary.walked_at_ns > self.rewalk_seconds * 1e9:
+            rebuild_catalog(self.store)
+        elif summary.journal_records >= self.compact_records:
+            catalog.compact(self.store)
+        return summary
+
+    def _count(self, walk: bool) -> Optional[catalog.Summary]:
+        """Set the byte count from the index; with ``walk``, walk the store first when it has
+        no index (``rebuild_catalog``). None when there is no index (yet)."""
         with self._state:
             self._counting, self._published_while_counting = True, 0
         try:
             try:
                 summary = catalog.totals(self.store)
             except catalog.CatalogMissing:
-                rebuild_catalog(self.store)  # False: another process is walking; next time
+                if not walk or not rebuild_catalog(self.store):  # False: another process is walking it
+                    return None
                 summary = catalog.totals(self.store)
             with self._state:
                 # a chunk published while counting may or may not be in the count: count it (safe side)
                 self._used = summary.nbytes + self._published_while_counting
+            return summary
         finally:
             with self._state:
                 self._counting = False
-        if time.time_ns() - summary.walked_at_ns > self.rewalk_seconds * 1e9:
-            rebuild_catalog(self.store)
-        elif summary.journal_records >= self.compact_records:
-            catalog.compact(self.store)
-        return summary
 
     def _log_error(self, line: str) -> None:
         now = self.clock()

@@ -106,13 +106,24 @@ def _column_spans(n: int) -> list[tuple[str, np.dtype, int]]:
     return out
 
 
+def _open_data(store: PageStore, h: Header) -> int:
+    """The snapshot's data file, open; ``CatalogMissing`` when it is gone or not the size its
+    header says."""
+    try:
+        fd = store.fs.open_regular(f"{BASE}/{h.data}")
+    except (OSError, ValueError) as e:
+        raise CatalogMissing(f"chunk index data {h.data} is unreadable: {e}") from None
+    spans = _column_spans(h.rows)
+    if os.fstat(fd).st_size != spans[-1][2] + h.rows * 8:
+        os.close(fd)
+        raise CatalogMissing(f"chunk index data {h.data} has the wrong size")
+    return fd
+
+
 def _read_rows(store: PageStore, h: Header) -> dict[str, np.ndarray]:
-    fd = store.fs.open_regular(f"{BASE}/{h.data}")
+    fd = _open_data(store, h)
     try:
         spans = _column_spans(h.rows)
-        want = spans[-1][2] + h.rows * 8
-        if os.fstat(fd).st_size != want:
-            raise CatalogMissing(f"chunk index data {h.data} has the wrong size")
         with open(fd, "rb", closefd=False) as f:
             cols = {name: np.fromfile(f, dtype=dt, count=h.rows, offset=off - f.tell()) if h.rows else np.zeros(0, dt)
                     for name, dt, off in spans}
@@ -236,13 +247,13 @@ def totals(store: PageStore) -> Summary:
     the journals name (the snapshot's index column, by binary search): what ``gdskv info`` and
     ``Budget`` count, in milliseconds at any store size. ``CatalogMissing`` without an index."""
     h = Header.read(store)
-    recs, _ = read_journals(store, h.journals)
-    per = {a: c for a, c in zip(h.arrays, h.per_array)}
-    if recs.size == 0:
-        return Summary(per, 0, h.walked_at_ns)
-    # the rows the journal names, looked up in the snapshot, then the journal applied to just those
-    fd = store.fs.open_regular(f"{BASE}/{h.data}")
+    fd = _open_data(store, h)
     try:
+        recs, _ = read_journals(store, h.journals)
+        per = {a: c for a, c in zip(h.arrays, h.per_array)}
+        if recs.size == 0:
+            return Summary(per, 0, h.walked_at_ns)
+        # the rows the journal names, looked up in the snapshot, then the journal applied to just those
         spans = {name: (dt, off) for name, dt, off in _column_spans(h.rows)}
         with open(fd, "rb", closefd=False) as f:
             mm = {k: np.memmap(f, dtype=spans[k][0], mode="r", offset=spans[k][1], shape=(h.rows,)) if h.rows else np.zeros(0, spans[k][0])
@@ -265,9 +276,7 @@ def totals(store: PageStore) -> Summary:
                         "nbytes": np.asarray(mm["nbytes"][rows_at]), "mtime": np.zeros(rows_at.size, np.int64)}
             before = _per_array(sub)
             after = _per_array(apply(Rows(sub.arrays, {k: v.copy() for k, v in sub.cols.items()}), recs))
-            for m in (mm["index"], mm["nbytes"]):
-                if isinstance(m, np.memmap):
-                    m._mmap.close()
+            del mm
     finally:
         os.close(fd)
     for i, key in enumerate(sub.arrays):
