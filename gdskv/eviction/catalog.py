@@ -306,7 +306,9 @@ def table(store: PageStore, rows: Rows, namespaces: Optional[dict] = None) -> Ch
         if hi == lo:
             continue
         idx, par = cols["index"][lo:hi], cols["parent"][lo:hi]
-        p = np.minimum(np.searchsorted(idx, par), hi - lo - 1)
+        by_parent = np.argsort(par)  # sorted needles: the binary searches walk the column once
+        p = np.empty(par.size, dtype=np.int64)
+        p[by_parent] = np.minimum(np.searchsorted(idx, par[by_parent]), hi - lo - 1)
         found = (idx[p] == par) & (par != NO_PARENT)
         parent[lo:hi][found] = lo + p[found]
     leased = np.zeros(len(rows), dtype=np.int64)

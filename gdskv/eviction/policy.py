@@ -128,14 +128,15 @@ def _forest(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     (depths summed on the way) reaches a root within 64 doublings on any forest; links still
     live after that are cyclic, and are cut (then the depths are counted again).
     """
-    parent = np.where(parent == np.arange(parent.size), -1, parent)
+    small = np.int32 if parent.size < (1 << 31) else np.int64  # half the memory traffic of the random gathers
+    parent = np.where(parent == np.arange(parent.size), -1, parent).astype(small)
     for attempt in (0, 1):
-        depth = (parent >= 0).astype(np.int64)
+        depth = (parent >= 0).astype(small)
         nxt = parent.copy()
         live = np.nonzero(nxt >= 0)[0]
         for _ in range(64):
             if live.size == 0:
-                return parent, depth
+                return parent.astype(np.int64), depth.astype(np.int64)
             up = nxt[live]
             depth[live] += depth[up]
             nxt[live] = nxt[up]
