@@ -15,9 +15,27 @@ from rich.table import Table
 
 from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import human_bytes, open_existing, print_json
-from gdskv.eviction import Limits, disk_usage, scan_store
+from gdskv.eviction import Limits, catalog, disk_usage, rebuild_catalog, scan_store
 from gdskv.io import make_engine
 from gdskv.io.capabilities import cuda_driver_present, kvikio_available
+from gdskv.store import PageStore
+
+
+def chunk_counts(store: PageStore) -> dict[tuple[str, int], tuple[int, int]]:
+    """``{(ns_id, group): (chunks, bytes)}`` of every array on disk (damaged namespaces' too),
+    from the chunk index (``gdskv.eviction.catalog``); a store without one is walked once and
+    the walk kept as its index."""
+    try:
+        return catalog.totals(store).per_array
+    except catalog.CatalogMissing:
+        if rebuild_catalog(store):
+            return catalog.totals(store).per_array
+    table = scan_store(store, with_parents=False)  # another process is indexing it right now
+    out = {}
+    for i, ref in enumerate(table.arrays):
+        sel = table.array == i
+        out[(ref.ns_id, ref.group)] = (int(sel.sum()), int(table.nbytes[sel].sum()))
+    return out
 
 
 def gather(ctx: click.Context) -> dict[str, Any]:
@@ -30,11 +48,7 @@ def gather(ctx: click.Context) -> dict[str, Any]:
         engine.close()
     engine_info |= {"kvikio_installed": kvikio_available(), "cuda_driver": cuda_driver_present()}
     on_disk = store.namespaces()
-    table = scan_store(store, with_parents=False)  # every array on disk, damaged namespaces' too
-    per_array: dict[tuple[str, int], tuple[int, int]] = {}
-    for i, ref in enumerate(table.arrays):
-        sel = table.array == i
-        per_array[(ref.ns_id, ref.group)] = (int(sel.sum()), int(table.nbytes[sel].sum()))
+    per_array = chunk_counts(store)
     namespaces = []
     for ns in on_disk:
         s = ns.spec
@@ -57,8 +71,8 @@ def gather(ctx: click.Context) -> dict[str, Any]:
         "format_version": store.attributes().get("format_version"),
         "engine": engine_info,
         "namespaces": namespaces,
-        "chunks": len(table),
-        "bytes": table.total_bytes,
+        "chunks": sum(n for n, _ in per_array.values()),
+        "bytes": sum(b for _, b in per_array.values()),
         "budget": {"max_bytes": cfg.max_bytes, "min_free_bytes": cfg.min_free_bytes, "min_free_percent": cfg.min_free_percent,
                    "floor_bytes": limits.floor_bytes(total) if limits.active else None},
         "filesystem": {"total_bytes": total, "free_bytes": free},

@@ -192,6 +192,8 @@ class CapacityBudget(Protocol):
 
     def unpin(self, path: str) -> None: ...
 
+    # optional: ``on_touched(ns, group, keys, mtimes, lease_until_ns)`` after ``Namespace.lease_many``
+
 
 class Namespace:
     """One namespace of a store: its arrays, chunk paths, presence and recency."""
@@ -269,6 +271,10 @@ class Namespace:
                 out.append(not lease or fs.lstat(path).st_atime_ns >= now + lease)
             except OSError:
                 out.append(False)
+        touched = getattr(self.store.budget, "on_touched", None)
+        if touched is not None and any(out):
+            hit = [i for i, ok in enumerate(out) if ok]
+            touched(self, group, [keys[i] for i in hit], [now + i for i in hit], now + lease)
         return out
 
     def touch_many(self, group: int, keys: Sequence[bytes], lease_seconds: float = 0.0) -> int:

@@ -310,7 +310,7 @@ def test_admit_never_raises_into_a_save(tmp_path: Path, monkeypatch: pytest.Monk
     def broken(*a: Any, **k: Any) -> Any:
         raise ValueError("bad metadata")
 
-    monkeypatch.setattr(ev.budget, "scan_store", broken)
+    monkeypatch.setattr(ev.catalog, "read", broken)  # the index read before an eviction
     engine = PosixEngine(threads=1)
     xfer = PageTransfer(ns, engine, threads=1)
     try:

@@ -1,7 +1,7 @@
 """Capacity-bounded, prefix-aware, recency-based eviction (FORMAT.md, "Capacity, recency and eviction",
 is the prose version).
 
-Four modules, each usable on its own (``gdskv.eviction`` re-exports their names, so
+Modules, each usable on its own (``gdskv.eviction`` re-exports their names, so
 ``from gdskv.eviction import ...`` works as before the split):
 
 - **Policy** (``policy.py``) — pure functions over plain data (``ChunkTable`` columns, or a list of ``ChunkInfo``):
@@ -23,15 +23,21 @@ Four modules, each usable on its own (``gdskv.eviction`` re-exports their names,
 - **Removal** (``removal.py``) — ``remove_chunks``: every file operation goes through ``store.fs`` (confined to the
   store's root). A chunk is renamed to a doomed temp name first, then removed only if no lease
   landed on it before the rename (a lease after it fails, so the lookup promises nothing).
+- **Catalog** (``catalog.py``, ``journal.py``) — the chunk index: a snapshot of every chunk
+  (array, chunk index, parent, size, mtime) under ``<root>/.gdskv/index/`` plus per-process
+  append-only journals of what was published, used and removed since. ``totals`` counts a store
+  of any size in milliseconds, ``read`` gives the rows the policy ranks; ``rebuild_catalog``
+  (``index.py``) remakes it from a walk. The chunk files stay the truth: removal re-checks each
+  file (lease, mtime), and a walk heals whatever a crash kept out of the journals.
 - **Budget** (``budget.py``) — ``Budget`` implements the hook ``PageTransfer`` calls on ``store.budget``
   (``admit`` / ``on_published`` / ``pin`` / ``unpin``); ``install_budget(store, cfg)`` sets it at
   bring-up when the config has a byte budget or a free-space floor.
 
 Recency is the chunk file's mtime: loads (``PageTransfer``) and lookups (``Namespace.touch_many``)
 refresh it, so it survives restarts and is shared by every process on the store. Callers: the
-connectors and the demo (``install_budget`` at bring-up), ``PageTransfer`` (the hook), and
-``gdskv evict`` / ``gdskv info`` / ``gdskv ls`` (``scan_store``, ``select_victims``,
-``remove_chunks``).
+connectors and the demo (``install_budget`` at bring-up), ``PageTransfer`` (the hook),
+``gdskv info`` (``catalog.totals``) and ``gdskv evict`` / ``gdskv ls`` (``scan_store``,
+``select_victims``, ``remove_chunks``).
 """
 from __future__ import annotations
 
@@ -42,11 +48,13 @@ from gdskv.eviction.budget import (
     disk_usage,
     install_budget,
 )
+from gdskv.eviction import catalog
 from gdskv.eviction.index import (
     INDEX_DIR,
     chunk_index_of,
     namespace_ids_matching,
     read_trailer,
+    rebuild_catalog,
     scan_store,
 )
 from gdskv.eviction.policy import (
@@ -68,6 +76,6 @@ __all__ = [
     "NO_PARENT", "INDEX_DIR", "INFLIGHT_TTL_S",
     "ArrayRef", "ChunkInfo", "ChunkTable", "Limits", "Removal", "Budget", "DiskUsage",
     "depths", "effective_recency", "eviction_order", "select_victims", "pick_victims", "shortfall",
-    "chunk_index_of", "read_trailer", "scan_store", "namespace_ids_matching",
+    "chunk_index_of", "read_trailer", "scan_store", "rebuild_catalog", "namespace_ids_matching", "catalog",
     "remove_chunk", "remove_chunks", "disk_usage", "install_budget",
 ]

@@ -1,7 +1,8 @@
 """Eviction budget: the capacity hook ``PageTransfer`` calls on ``store.budget``.
 
-``Budget`` implements ``admit`` / ``on_published`` / ``pin`` / ``unpin``; ``install_budget(store,
-cfg)`` sets it at bring-up when the config has a byte budget or a free-space floor.
+``Budget`` implements ``admit`` / ``on_published`` / ``pin`` / ``unpin`` (and ``on_touched`` for
+lookups); ``install_budget(store, cfg)`` sets it at bring-up when the config has a byte budget or
+a free-space floor. It counts and evicts from the chunk index (``gdskv.eviction.catalog``).
 """
 from __future__ import annotations
 
@@ -11,19 +12,16 @@ import shutil
 import threading
 import time
 from collections import Counter, deque
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 from gdskv.config import GdsKvConfig
-from gdskv.eviction.index import chunk_index_of, scan_store
-from gdskv.eviction.policy import (
-    NO_PARENT,
-    ChunkTable,
-    Limits,
-    _norm,
-    select_victims,
-    shortfall,
-)
-from gdskv.eviction.removal import remove_chunks
+from gdskv.eviction import catalog
+from gdskv.eviction.index import chunk_index_of, rebuild_catalog
+from gdskv.eviction.journal import PUBLISH, TOUCH, journal_of, records
+from gdskv.eviction.policy import NO_PARENT, Limits, _norm, select_victims, shortfall
+from gdskv.eviction.removal import Removal, remove_chunks
 from gdskv.store import Namespace, PageStore
 
 log = logging.getLogger(__name__)
@@ -53,73 +51,77 @@ class Budget:
     """The capacity hook ``PageTransfer`` calls through ``store.budget``.
 
     ``admit`` before every save (after the chunk was found absent), ``on_published`` after the
-    rename, ``pin``/``unpin`` around every load. The store's chunk bytes are estimated between
-    scans (scan result + bytes admitted since); a scan happens when the estimate says a save does
-    not fit, and at least every ``rescan_seconds`` so that other processes' writes are seen. An
-    eviction frees what the save needs plus ``headroom`` (a fraction of the budget, or of the
-    floor when only a floor is set), so one scan serves many saves. A save that does not fit
-    while another thread evicts waits at most ``max_wait_seconds`` for it, then is dropped.
-    ``disk_usage``, ``clock`` and ``block_size`` (the allocation unit the floor counts in) are
-    injectable for tests.
+    rename, ``pin``/``unpin`` around every load; ``on_touched`` after a lookup's lease
+    (``Namespace.lease_many``). The store's chunk bytes come from the chunk index
+    (``gdskv.eviction.catalog``), never from a walk on the serving path: read on a background
+    thread at bring-up and every ``refresh_seconds`` (other processes' saves and evictions are in
+    their journals), plus what this process admitted since. Until the first read lands, the
+    estimate is the file system's used bytes (never less than the store's): saves that fit even
+    so go ahead, others are dropped. When a save does not fit, the index is read whole, ranked,
+    and the victims removed (``remove_chunks``, which re-checks every file); an eviction frees
+    what the save needs plus ``headroom`` (a fraction of the budget, or of the floor when only a
+    floor is set), so one eviction serves many saves. A save that does not fit while another
+    thread evicts waits at most ``max_wait_seconds`` for it, then is dropped. The background
+    thread also folds grown journals into the snapshot (``compact``) and walks the store when it
+    has no index or its last walk is older than ``rewalk_seconds`` (``rebuild_catalog``: what a
+    crash kept out of the journals comes back). ``disk_usage``, ``clock`` and ``block_size``
+    (the allocation unit the floor counts in) are injectable for tests.
     """
 
-    def __init__(self, store: PageStore, limits: Limits, headroom: float = 0.05, rescan_seconds: float = 300.0,
+    def __init__(self, store: PageStore, limits: Limits, headroom: float = 0.05, refresh_seconds: float = 2.0,
                  max_wait_seconds: float = 2.0, disk_usage: DiskUsage = disk_usage, clock: Callable[[], float] = time.monotonic,
-                 block_size: Optional[int] = None) -> None:
+                 block_size: Optional[int] = None, rewalk_seconds: float = 24 * 3600.0, compact_records: int = 1 << 18) -> None:
         self.store = store
         self.limits = limits
         self.headroom = headroom
-        self.rescan_seconds = rescan_seconds
+        self.refresh_seconds = refresh_seconds
+        self.rewalk_seconds = rewalk_seconds
+        self.compact_records = compact_records
         self.max_wait_seconds = max_wait_seconds
         self.disk_usage = disk_usage
         self.clock = clock
-        self._used: Optional[int] = None  # chunk bytes on disk: last scan + published since
+        self.journal = journal_of(store)
+        self._used: Optional[int] = None  # chunk bytes: last index read + admitted since
         self._inflight: deque[tuple[float, int]] = deque()  # (admitted at, bytes) not yet published
         self._inflight_bytes = 0
         self._inflight_blocks = 0  # the same saves in the file system's allocation units
         self._block = block_size or _allocation_unit(str(store.root))
-        self._scanning = False
-        self._published_while_scanning = 0
-        self._scanned_at = float("-inf")
-        self._state = threading.Lock()  # guards the fields below; held for microseconds
-        self._evicting = threading.Lock()  # one scan / eviction at a time
+        self._counting = False
+        self._published_while_counting = 0
+        self._counted_at = float("-inf")
+        self._background: Optional[threading.Thread] = None
+        self.counted = threading.Event()  # set once the index was read (or found missing and walked)
+        self._state = threading.Lock()  # guards the fields above; held for microseconds
+        self._evicting = threading.Lock()  # one eviction at a time
         self._pins: Counter[str] = Counter()
-        self._known: dict[tuple[str, int], dict[int, int]] = {}
         self._error_logged_at = float("-inf")
 
     @property
     def used_bytes(self) -> Optional[int]:
         """The current estimate of the store's chunk bytes, saves in flight included (None before
-        the first scan)."""
+        the index was first read)."""
         return None if self._used is None else self._used + self._inflight_bytes
 
     # hook -------------------------------------------------------------------------------------
     def admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes] = None) -> bool:
         """May a chunk of ``nbytes`` be written now? Evicts first when it would cross a limit;
         False (the caller drops and counts the save) when not enough can be evicted, e.g.
-        because everything left is pinned. The chunk's ``parent`` block (and so its ancestors)
-        is not evicted to make room for it, and nothing is evicted for a chunk whose parent is
-        not stored: either would leave the new chunk unservable. Never raises: a scan or an
-        eviction that fails (I/O error, bad metadata) drops the save, with a log line and the
-        namespace's ``eviction_errors`` counter.
+        because everything left is pinned, or the index is not ready yet. The chunk's ``parent``
+        block (and so its ancestors) is not evicted to make room for it, and nothing is evicted
+        for a chunk whose parent is not stored: either would leave the new chunk unservable.
+        Never raises: an eviction that fails (I/O error, bad index) drops the save, with a log
+        line and the namespace's ``eviction_errors`` counter.
         Called by ``PageTransfer._save`` on a transfer thread, never on the serving loop."""
         try:
             return self._admit(ns, group, nbytes, parent)
         except (OSError, ValueError) as e:
             ns.counters.add("eviction_errors")
-            now = self.clock()
-            if now - self._error_logged_at >= 60.0:  # at most one line a minute
-                self._error_logged_at = now
-                log.warning("gdskv: eviction in %s failed, save dropped: %s", self.store.root, e)
+            self._log_error(f"gdskv: eviction in {self.store.root} failed, save dropped: {e}")
             return False
 
     def _admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes]) -> bool:
-        stale = self._used is None or self.clock() - self._scanned_at > self.rescan_seconds
-        if stale and self._evicting.acquire(blocking=self._used is None):
-            try:
-                self.refresh()
-            finally:
-                self._evicting.release()
+        if self.clock() - self._counted_at > self.refresh_seconds:
+            self.start_background()
         if self._try_reserve(nbytes):
             return True
         if not self._evicting.acquire(timeout=self.max_wait_seconds):
@@ -127,40 +129,67 @@ class Budget:
         try:
             if self._try_reserve(nbytes):  # another thread evicted meanwhile
                 return True
+            if self._used is None and not self._count(walk=False):
+                return False  # no index yet (the background thread walks the store): the conservative estimate says no
             if parent is not None and not ns.contains(group, parent):
                 return False  # the chunk would be unservable: not worth evicting anything for
-            table = self.refresh()
             need = self._need(nbytes)
             if need > 0:
-                base = self.limits.max_bytes or self.limits.floor_bytes(self.disk_usage(str(self.store.root))[0])
-                with self._state:
-                    protect = list(self._pins) + ([ns.chunk_path(group, parent)] if parent is not None else [])
-                pinned = table.rows_of(protect)
-                rows = select_victims(table, need + int(self.headroom * base), pinned, now_ns=time.time_ns())
-                done = remove_chunks(self.store, table, rows, lambda p: self._pins[_norm(p)] > 0, self._state)
-                with self._state:
-                    self._used = max(0, (self._used or 0) - done.freed_bytes)
-                if done.removed:
-                    log.info("gdskv: evicted %d chunks (%d bytes) to stay within %s", done.removed, done.removed_bytes, self.limits)
+                self.evict(need, protect=[ns.chunk_path(group, parent)] if parent is not None else [])
             return self._try_reserve(nbytes)
         finally:
             self._evicting.release()
 
-    def on_published(self, ns: Namespace, group: int, key: bytes, parent: Optional[bytes], nbytes: int) -> None:
-        """A chunk was renamed into place: remember its parent so the next scan does not read its
-        trailer (its bytes were counted by ``admit``). Called by ``PageTransfer._save``."""
-        p = int(NO_PARENT) if parent is None else chunk_index_of(ns.id, group, parent)
+    def evict(self, need: int, protect: Sequence[str] = ()) -> Removal:
+        """Remove at least ``need`` bytes plus the headroom, least recently used first, from the
+        index; pinned chunks, ``protect`` and their ancestors stay. Caller holds ``_evicting``."""
+        try:
+            rows, _, _ = catalog.read(self.store)
+        except catalog.CatalogMissing:
+            self.start_background()
+            return Removal()
+        table = catalog.table(self.store, rows)
+        base = self.limits.max_bytes or self.limits.floor_bytes(self.disk_usage(str(self.store.root))[0])
         with self._state:
-            self._known.setdefault((ns.id, group), {})[chunk_index_of(ns.id, group, key)] = p
+            pins = list(self._pins) + list(protect)
+        order = select_victims(table, need + int(self.headroom * base), table.rows_of(pins), now_ns=time.time_ns())
+        done = remove_chunks(self.store, table, order, lambda p: self._pins[_norm(p)] > 0, self._state)
+        with self._state:
+            self._used = max(0, (self._used or 0) - done.freed_bytes)
+        if done.removed:
+            log.info("gdskv: evicted %d chunks (%d bytes) to stay within %s", done.removed, done.removed_bytes, self.limits)
+        return done
+
+    def on_published(self, ns: Namespace, group: int, key: bytes, parent: Optional[bytes], nbytes: int) -> None:
+        """A chunk was renamed into place: journal it (its parent, size and mtime) and count its
+        bytes as stored. Called by ``PageTransfer._save``."""
+        at = time.time_ns()
+        try:
+            st = self.store.fs.lstat(ns.chunk_path(group, key))
+        except OSError:
+            st = None  # already gone again: nothing to journal
+        if st is not None:
+            p = NO_PARENT if parent is None else np.uint64(chunk_index_of(ns.id, group, parent))
+            self.journal.append(records(PUBLISH, ns.id, group, np.uint64(chunk_index_of(ns.id, group, key)), p,
+                                        st.st_size, st.st_mtime_ns, 0, at))
+        with self._state:
             for i, (_, n) in enumerate(self._inflight):
                 if n == nbytes:
                     del self._inflight[i]
                     self._inflight_bytes -= n
                     self._inflight_blocks -= self._blocks(n)
                     break
-            self._used = (self._used or 0) + nbytes
-            if self._scanning:
-                self._published_while_scanning += nbytes
+            if self._used is not None:
+                self._used += nbytes
+            if self._counting:
+                self._published_while_counting += nbytes
+
+    def on_touched(self, ns: Namespace, group: int, keys: Sequence[bytes], mtimes: Sequence[int], lease_until_ns: int) -> None:
+        """A lookup set these chunks' mtime (recency) and lease: journal it, so that the index
+        ranks them by their last use. Called by ``Namespace.lease_many``."""
+        if keys:
+            idx = np.array([chunk_index_of(ns.id, group, k) for k in keys], dtype=np.uint64)
+            self.journal.append(records(TOUCH, ns.id, group, idx, mtime=np.asarray(mtimes, dtype=np.int64), lease=lease_until_ns))
 
     def pin(self, path: str) -> None:
         """A load of ``path`` starts: the chunk is not evicted until ``unpin``. Called by
@@ -177,31 +206,68 @@ class Budget:
             if self._pins[path] <= 0:
                 del self._pins[path]
 
-    # internals --------------------------------------------------------------------------------
-    def refresh(self) -> ChunkTable:
-        """Rescan the store: the byte count, and the table the policy ranks. Called by ``admit``
-        (when the estimate is stale or a save does not fit) and once by ``install_budget``."""
+    # the index, off the serving path ----------------------------------------------------------
+    def start_background(self) -> None:
+        """Count the store from the index on a background thread, unless one is at it."""
         with self._state:
-            known = {k: dict(v) for k, v in self._known.items()}
-            self._scanning, self._published_while_scanning = True, 0
+            if self._background is not None and self._background.is_alive():
+                return
+            self._counted_at = self.clock()  # one attempt per ``refresh_seconds``, even when it fails
+            self._background = threading.Thread(target=self._background_run, name="gdskv-index", daemon=True)
+            self._background.start()
+
+    def _background_run(self) -> None:
         try:
-            table = scan_store(self.store, known_parents=known)
+            self.refresh()
+        except Exception as e:  # a background thread of a server: log, never raise
+            self._log_error(f"gdskv: could not read the chunk index of {self.store.root}: {e}")
+        finally:
+            self.counted.set()
+
+    def refresh(self) -> Optional[catalog.Summary]:
+        """Read the store's bytes from the index (a walk first when there is none, or when the
+        last one is older than ``rewalk_seconds``; the index folded when its journals grew).
+        Called on the background thread (``start_background``), and by tests."""
+        summary = self._count(walk=True)
+        if summary is None:
+            return None
+        if time.time_ns() - summary.walked_at_ns > self.rewalk_seconds * 1e9:
+            rebuild_catalog(self.store)
+        elif summary.journal_records >= self.compact_records:
+            catalog.compact(self.store)
+        return summary
+
+    def _count(self, walk: bool) -> Optional[catalog.Summary]:
+        """Set the byte count from the index; with ``walk``, walk the store first when it has
+        no index (``rebuild_catalog``). None when there is no index (yet)."""
+        with self._state:
+            self._counting, self._published_while_counting = True, 0
+        try:
+            try:
+                summary = catalog.totals(self.store)
+            except catalog.CatalogMissing:
+                if not walk or not rebuild_catalog(self.store):  # False: another process is walking it
+                    return None
+                summary = catalog.totals(self.store)
+            with self._state:
+                # a chunk published while counting may or may not be in the count: count it (safe side)
+                self._used = summary.nbytes + self._published_while_counting
+            return summary
         finally:
             with self._state:
-                self._scanning = False
-        with self._state:
-            # a chunk published during the walk may or may not have been seen: count it (safe side)
-            self._used = table.total_bytes + self._published_while_scanning
-            self._scanned_at = self.clock()
-            for k, v in known.items():  # now in the index cache
-                for idx in v:
-                    self._known.get(k, {}).pop(idx, None)
-        return table
+                self._counting = False
+
+    def _log_error(self, line: str) -> None:
+        now = self.clock()
+        if now - self._error_logged_at >= 60.0:  # at most one line a minute
+            self._error_logged_at = now
+            log.warning("%s", line)
 
     def _need(self, nbytes: int) -> int:
-        total, free = self.disk_usage(str(self.store.root)) if self.limits.has_floor else (0, 0)
+        total, free = self.disk_usage(str(self.store.root)) if self.limits.has_floor or self._used is None else (0, 0)
+        used = self._used if self._used is not None else total - free  # the store is at most what the file system holds
         # saves in flight count as written, against the budget and against free space
-        return shortfall(self.limits, (self._used or 0) + self._inflight_bytes, total,
+        return shortfall(self.limits, used + self._inflight_bytes, total,
                          free - self._inflight_blocks * self._block, nbytes, self._block)
 
     def _try_reserve(self, nbytes: int) -> bool:
@@ -224,9 +290,12 @@ class Budget:
         return -(-nbytes // self._block)
 
 
-def install_budget(store: PageStore, cfg: GdsKvConfig) -> Optional[Budget]:
+def install_budget(store: PageStore, cfg: GdsKvConfig, wait_seconds: float = 0.5) -> Optional[Budget]:
     """Set ``store.budget`` from the config's ``max_bytes`` / ``min_free_bytes`` /
-    ``min_free_percent`` when any is set (scanning the store once), and return it; else None.
+    ``min_free_percent`` when any is set, and return it; else None. The store is counted from its
+    chunk index on a background thread; bring-up waits at most ``wait_seconds`` for that (an
+    index is read in milliseconds; a store without one is walked meanwhile, saves held to the
+    conservative estimate until the walk is done).
 
     Called once at bring-up by the connectors and the demo, right after ``PageStore.open``.
     """
@@ -236,9 +305,7 @@ def install_budget(store: PageStore, cfg: GdsKvConfig) -> Optional[Budget]:
     if isinstance(store.budget, Budget) and store.budget.limits == limits:
         return store.budget
     budget = Budget(store, limits)
-    try:
-        budget.refresh()
-    except (OSError, ValueError) as e:  # bring-up goes on; the first ``admit`` scans again
-        log.warning("gdskv: could not scan %s for its byte budget: %s", store.root, e)
     store.budget = budget
+    budget.start_background()
+    budget.counted.wait(wait_seconds)
     return budget

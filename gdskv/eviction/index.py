@@ -14,18 +14,20 @@ import io
 import logging
 import os
 import secrets
+import time
 from typing import Optional, Sequence
 
 import numpy as np
 
 from gdskv import format as fmt
+from gdskv.eviction import catalog
+from gdskv.eviction.journal import INDEX_DIR, journal_ends
 from gdskv.eviction.policy import NO_PARENT, ArrayRef, ChunkTable
 from gdskv.keys import store_key
 from gdskv.store import PRIVATE_DIR, Namespace, PageStore
 
 log = logging.getLogger(__name__)
 
-INDEX_DIR = "index"
 _CACHE_DTYPE = np.dtype([("index", "<u8"), ("ino", "<u8"), ("parent", "<u8")])
 
 
@@ -155,23 +157,10 @@ def _array_parents(store: PageStore, ref: ArrayRef, idx: np.ndarray, ino: np.nda
     return parent
 
 
-def scan_store(
-    store: PageStore,
-    namespaces: Optional[Sequence[Namespace | str]] = None,
-    with_parents: bool = True,
-    known_parents: Optional[dict[tuple[str, int], dict[int, int]]] = None,
-) -> ChunkTable:
-    """Every published chunk of ``namespaces`` (``Namespace`` objects or ids; default: every
-    array on disk, damaged namespaces included) as a ``ChunkTable``.
-
-    One scandir per directory and one stat per chunk file (the store's walker). With
-    ``with_parents`` the parent links are attached from the index cache (a trailer is read only
-    for chunk files the cache has not seen); without, every ``parent`` is -1 (enough for sizes
-    and listings). ``known_parents[(ns_id, group)][chunk index]`` supplies parents this process
-    already knows. Called by ``Budget`` and by ``gdskv evict`` / ``info`` / ``ls``.
-    """
-    arrays: list[ArrayRef] = []
-    cols: list[tuple[np.ndarray, ...]] = []
+def _scan(store: PageStore, namespaces: Optional[Sequence[Namespace | str]], with_parents: bool,
+          known_parents: Optional[dict[tuple[str, int], dict[int, int]]]) -> list[tuple[ArrayRef, tuple[np.ndarray, ...]]]:
+    """Per array on disk: ``(ref, (index, parent index, size, mtime, atime))`` from one walk."""
+    out = []
     for ref in _arrays(store, namespaces):
         idx_l, ino_l, size_l, mtime_l, atime_l = _walk_array(store, ref)
         idx = np.array(idx_l, dtype=np.uint64)
@@ -180,9 +169,30 @@ def scan_store(
             parent_idx = _array_parents(store, ref, idx, ino, (known_parents or {}).get((ref.ns_id, ref.group), {}))
         else:
             parent_idx = np.full(idx.size, NO_PARENT, dtype=np.uint64)
-        arrays.append(ref)
-        cols.append((idx, parent_idx, np.array(size_l, dtype=np.int64), np.array(mtime_l, dtype=np.int64),
-                     np.array(atime_l, dtype=np.int64)))
+        out.append((ref, (idx, parent_idx, np.array(size_l, dtype=np.int64), np.array(mtime_l, dtype=np.int64),
+                          np.array(atime_l, dtype=np.int64))))
+    return out
+
+
+def scan_store(
+    store: PageStore,
+    namespaces: Optional[Sequence[Namespace | str]] = None,
+    with_parents: bool = True,
+    known_parents: Optional[dict[tuple[str, int], dict[int, int]]] = None,
+) -> ChunkTable:
+    """Every published chunk of ``namespaces`` (``Namespace`` objects or ids; default: every
+    array on disk, damaged namespaces included) as a ``ChunkTable``, by a walk.
+
+    One scandir per directory and one stat per chunk file (the store's walker). With
+    ``with_parents`` the parent links are attached from the index cache (a trailer is read only
+    for chunk files the cache has not seen); without, every ``parent`` is -1 (enough for sizes
+    and listings). ``known_parents[(ns_id, group)][chunk index]`` supplies parents this process
+    already knows. Called by ``gdskv evict`` / ``ls`` and ``rebuild_catalog``; ``Budget`` and
+    ``gdskv info`` read the catalog instead.
+    """
+    scanned = _scan(store, namespaces, with_parents, known_parents)
+    arrays = [ref for ref, _ in scanned]
+    cols = [c for _, c in scanned]
     if not cols:
         empty_i = np.zeros(0, dtype=np.int64)
         return ChunkTable(arrays, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint64), empty_i, empty_i, empty_i, empty_i)
@@ -206,6 +216,32 @@ def scan_store(
         np.concatenate([c[3] for c in cols]),
         np.concatenate([c[4] for c in cols]),
     )
+
+
+def rebuild_catalog(store: PageStore) -> bool:
+    """Walk the store and make the walk the chunk index (``gdskv.eviction.catalog``), unless
+    another process is writing the index now; whether this one did. The journals' ends are taken
+    before the walk: what is journaled from then on is applied on top of it. Called by
+    ``Budget`` on its background thread (no index yet, or an old one) and by ``gdskv info`` when
+    a store has no index."""
+    with catalog.writer_lock(store) as mine:
+        if not mine:
+            return False
+        walked_at = time.time_ns()
+        ends = journal_ends(store)
+        arrays: list[tuple[str, int]] = []
+        parts: list[dict[str, np.ndarray]] = []
+        leases: dict[tuple[int, int], int] = {}
+        for a, (ref, (idx, parent_idx, size, mtime, atime)) in enumerate(_scan(store, None, True, None)):
+            order = np.argsort(idx)
+            arrays.append((ref.ns_id, ref.group))
+            parts.append({"array": np.full(idx.size, a, dtype=np.int32), "index": idx[order], "parent": parent_idx[order],
+                          "nbytes": size[order], "mtime": mtime[order]})
+            for i in np.nonzero(atime > walked_at)[0].tolist():
+                leases[(a, int(idx[i]))] = int(atime[i])
+        cols = {name: np.concatenate([p[name] for p in parts]).astype(t) if parts else np.zeros(0, dtype=t) for name, t in catalog.COLUMNS}
+        catalog.write(store, catalog.Rows(arrays, cols, leases), ends, walked_at)
+        return True
 
 
 def namespace_ids_matching(store: PageStore, wanted: str) -> list[str]:

@@ -15,7 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from gdskv import format as fmt
+from gdskv.eviction.journal import REMOVE, TOUCH, journal_of, records
 from gdskv.eviction.policy import ArrayRef, ChunkTable
 from gdskv.store import Namespace, PageStore
 
@@ -25,7 +28,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class Removal:
     """What ``remove_chunks`` did. ``freed_bytes`` includes chunks another process removed first.
-    ``skipped_leased``: chunks a lookup leased after the scan (kept, with their ancestors)."""
+    ``skipped_leased``: chunks a lookup leased after the scan (kept, with their ancestors);
+    ``skipped_fresh``: chunks used or published again after the ranking (kept likewise)."""
 
     removed: int = 0
     removed_bytes: int = 0
@@ -34,6 +38,7 @@ class Removal:
     freed_bytes: int = 0
     failed: int = 0
     skipped_leased: int = 0
+    skipped_fresh: int = 0
 
 
 _doomed_seq = itertools.count()
@@ -45,49 +50,61 @@ def _doomed_name(rel: str) -> str:
     return f"{rel}{fmt.TMP_MARK}{os.getpid()}.evict{next(_doomed_seq)}"
 
 
-def remove_chunk(store: PageStore, rel: str) -> str:
-    """Remove one chunk file unless a lease vetoes it; ``"removed"``, ``"gone"``, ``"leased"`` or
-    ``"failed"``. Every step goes through ``store.fs`` (a link is moved or removed as itself).
+def remove_chunk(store: PageStore, rel: str, ranked_mtime_ns: Optional[int] = None) -> str:
+    """Remove one chunk file unless a lease vetoes it; ``"removed"``, ``"gone"``, ``"leased"``,
+    ``"fresh"`` or ``"failed"``. Every step goes through ``store.fs`` (a link is moved or removed
+    as itself).
 
     The chunk is first renamed to a doomed temp name in its own directory, so no lease can land
     on it by name any more (``Namespace.lease_many`` then fails, and the lookup promises nothing),
     then ``lstat``-ed: an atime in the future means a lease landed before the rename, and the
     chunk goes back under its name (``link_noreplace``: a chunk published there meanwhile wins)
-    and stays. Called by ``remove_chunks``."""
+    and stays. So does a chunk whose mtime is newer than ``ranked_mtime_ns``, the last use the
+    ranking saw (``"fresh"``): used or published again since the index or the walk the choice
+    came from, it is not the chunk that was chosen. Called by ``remove_chunks``."""
+    return _remove_chunk(store, rel, ranked_mtime_ns)[0]
+
+
+def _remove_chunk(store: PageStore, rel: str, ranked_mtime_ns: Optional[int]) -> tuple[str, Optional[os.stat_result]]:
+    """``remove_chunk``, with the chunk's ``lstat`` when it was kept."""
     fs = store.fs
     doomed = _doomed_name(rel)
     try:
         fs.rename(rel, doomed)
     except FileNotFoundError:
-        return "gone"
+        return "gone", None
     except OSError as e:
         log.warning("gdskv: could not evict %s: %s", fs.abspath(fs.rel(rel)), e)
-        return "failed"
+        return "failed", None
     try:
         st = fs.lstat(doomed)
     except FileNotFoundError:  # another process's gc or eviction took it
-        return "gone"
+        return "gone", None
     except OSError as e:
         st = None
         log.warning("gdskv: could not check the lease of %s: %s", fs.abspath(fs.rel(rel)), e)
     try:
-        if st is None or st.st_atime_ns > time.time_ns():  # leased (or unknown): put it back
-            try:
-                fs.link_noreplace(doomed, rel)
-            except FileExistsError:  # a save published the block again meanwhile: that one stays
-                pass
-            except OSError:
-                fs.rename(doomed, rel)
-                return "leased"
+        if st is None or st.st_atime_ns > time.time_ns():
+            why = "leased"  # (or unknown)
+        elif ranked_mtime_ns is not None and st.st_mtime_ns > ranked_mtime_ns:
+            why = "fresh"
+        else:
             fs.unlink(doomed)
-            return "leased"
+            return "removed", None
+        try:  # put it back
+            fs.link_noreplace(doomed, rel)
+        except FileExistsError:  # a save published the block again meanwhile: that one stays
+            pass
+        except OSError:
+            fs.rename(doomed, rel)
+            return why, st
         fs.unlink(doomed)
-        return "removed"
+        return why, st
     except FileNotFoundError:
-        return "gone"
+        return "gone", None
     except OSError as e:
         log.warning("gdskv: could not finish evicting %s (left as %s): %s", fs.abspath(fs.rel(rel)), doomed, e)
-        return "failed"
+        return "failed", None
 
 
 def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
@@ -98,26 +115,44 @@ def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
     come later in ``rows``); so is one a lookup leased after the scan (``remove_chunk``).
     ``is_pinned`` is checked and the file removed under ``lock`` (the lock ``Budget.pin``
     takes), so a load either keeps its chunk or finds it gone (a miss). Counts ``evicted`` /
-    ``evicted_bytes`` on the chunk's namespace (none for a damaged one). Called by ``Budget``
-    and ``gdskv evict``.
+    ``evicted_bytes`` on the chunk's namespace (none for a damaged one). A row whose file was
+    used after the ranking (newer mtime than ``table.mtime_ns``) is kept like a leased one.
+    Journals what it finds (``gdskv.eviction.journal``: removed and gone chunks, the true mtime
+    of fresh ones) so that the chunk index follows. Called by ``Budget`` and ``gdskv evict``.
     """
     out = Removal()
     keep: set[int] = set()
     counted: dict[str, Optional[Namespace]] = {}
-    for row in (int(r) for r in rows):
+    seen: list[np.ndarray] = []
+    journal = journal_of(store)
+    for n, row in enumerate(int(r) for r in rows):
+        if n % 4096 == 4095:
+            journal.append(np.concatenate(seen))
+            seen = []
         if row in keep:
             out.skipped_pinned += 1
             continue
         ref = table.arrays[int(table.array[row])]
         index = int(table.index[row])
         nbytes = int(table.nbytes[row])
+        at = time.time_ns()  # before the rename: a save that publishes the block after it wins
+        st: Optional[os.stat_result] = None
         with lock or contextlib.nullcontext():
-            status = "pinned" if is_pinned(ref.chunk_file(index)) else remove_chunk(store, ref.chunk_rel(index))
-        if status in ("pinned", "leased"):
+            if is_pinned(ref.chunk_file(index)):
+                status = "pinned"
+            else:
+                status, st = _remove_chunk(store, ref.chunk_rel(index), int(table.mtime_ns[row]))
+        if status in ("removed", "gone"):
+            seen.append(records(REMOVE, ref.ns_id, ref.group, np.uint64(index), at=at))
+        elif st is not None:
+            seen.append(records(TOUCH, ref.ns_id, ref.group, np.uint64(index), mtime=st.st_mtime_ns, lease=st.st_atime_ns, at=at))
+        if status in ("pinned", "leased", "fresh"):
             if status == "pinned":
                 out.skipped_pinned += 1
-            else:
+            elif status == "leased":
                 out.skipped_leased += 1
+            else:
+                out.skipped_fresh += 1
             up = int(table.parent[row])
             while up >= 0 and up not in keep:
                 keep.add(up)
@@ -137,6 +172,8 @@ def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
             if ns is not None:
                 ns.counters.add("evicted")
                 ns.counters.add("evicted_bytes", nbytes)
+    if seen:
+        journal.append(np.concatenate(seen))
     return out
 
 
