@@ -22,6 +22,7 @@ Called by ``gdskv.service.KvService`` (bring-up: ``tier_bytes``; ``load``/``save
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -256,11 +257,24 @@ def scatter(src: torch.Tensor, segments: Sequence[torch.Tensor]) -> None:
 
 
 def _move(buf: torch.Tensor, segments: Sequence[torch.Tensor], into_segments: bool) -> None:
-    parts = [_flat(s) for s in segments]
-    total = sum(p.numel() for p in parts)
-    if total != buf.numel():
-        raise ValueError(f"page segments of {total} bytes for a buffer of {buf.numel()}")
+    sizes = [s.numel() * s.element_size() for s in segments]
+    if not all(s.is_contiguous() for s in segments):
+        raise ValueError("a page segment must be contiguous to be copied in place")
+    if sum(sizes) != buf.numel():
+        raise ValueError(f"page segments of {sum(sizes)} bytes for a buffer of {buf.numel()}")
+    if all(s.device.type == "cpu" for s in segments):
+        # one memcpy per segment, GIL released, no tensor made: torch's copy_ would split it over
+        # its intra-op threads (100x slower on a busy host) and each slice costs microseconds
+        off = buf.data_ptr()
+        for s, n in zip(segments, sizes):
+            if into_segments:
+                ctypes.memmove(s.data_ptr(), off, n)
+            else:
+                ctypes.memmove(off, s.data_ptr(), n)
+            off += n
+        return
     off = 0
+    parts = [_flat(s) for s in segments]
     for p in parts:
         piece = buf[off:off + p.numel()]
         if into_segments:

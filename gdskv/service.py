@@ -286,10 +286,11 @@ class KvService:
             return None
         segments = list(segments)
         nbytes = self.bytes_per_page(group)
+        if self.host is not None:
+            fut = self._load_from_host(rank, group, key, segments, ready, nbytes)
+            if fut is not None:
+                return fut
         self._posted(loads_posted=1)
-        fut = self._load_from_host(rank, group, key, segments, ready) if self.host is not None else None
-        if fut is not None:
-            return _counted(fut, lambda f: self._loaded(f, nbytes))
         fut = transfer.load_page(group, key, segments, ready=ready)
         return _counted(fut, lambda f: (self._fill(f, LoadStatus.LOADED, rank, group, key, segments), self._loaded(f, nbytes)))
 
@@ -309,12 +310,13 @@ class KvService:
         self._posted(saves_posted=1)
         return _counted(fut, lambda f: (self._fill(f, SaveStatus.PUBLISHED, rank, group, key, segments), self._saved(f, nbytes)))
 
-    def _load_from_host(self, rank: int, group: int, key: bytes, segments: list[Any],
-                        ready: Optional[Any]) -> Optional[Future]:
+    def _load_from_host(self, rank: int, group: int, key: bytes, segments: list[Any], ready: Optional[Any],
+                        nbytes: int) -> Optional[Future]:
         """A load served from the host tier, or None (a miss: the caller reads the disk). Only an
         entry of exactly the segments' size is served. Into plain host memory with nothing to wait
-        for, the copy runs here (a hand-off would cost more than it); otherwise on a copy thread,
-        after ``ready``, and the future resolves once the bytes are in the page."""
+        for, the copy runs here and the future comes back done (a hand-off, or a second future,
+        would cost more than the copy); otherwise on a copy thread, after ``ready``, and the future
+        resolves once the bytes are in the page."""
         size = payload_nbytes(segments)
         lent = self.host.borrow((rank, group, key), size) if size is not None else None
         shared = self.namespaces[rank].counters
@@ -322,29 +324,30 @@ class KvService:
             self._count(host_misses=1)
             shared.add("host_misses")
             return None
+        hit = {"host_hits": 1, "host_hit_bytes": size}
 
         def copy() -> LoadStatus:
             with lent as buf:
                 if ready is not None:
                     ready.synchronize()
                 scatter(buf, segments)
-            self._count(host_hits=1, host_hit_bytes=size)
             shared.add("host_hits")
             shared.add("host_hit_bytes", size)
             return LoadStatus.LOADED
 
         if ready is None and all(s.device.type == "cpu" for s in segments):
             done: Future = Future()
-            try:
-                done.set_result(copy())
-            except BaseException as e:
-                done.set_exception(e)
+            done.set_result(copy())
+            self._count(loads_posted=1, loads_loaded=1, bytes_loaded=nbytes, **hit)
             return done
+        self._posted(loads_posted=1)
         try:
-            return self._host_copies.submit(copy)
-        except RuntimeError:  # shut down (close() raced this load): read the disk instead
+            fut = self._host_copies.submit(copy)
+        except RuntimeError:  # shut down (close() raced this load)
             lent.release()
-            return None
+            fut = Future()
+            fut.set_result(LoadStatus.MISSING)
+        return _counted(fut, lambda f: self._loaded(f, nbytes, hit))
 
     def _fill(self, fut: Future, wanted: Any, rank: int, group: int, key: bytes, segments: list[Any]) -> None:
         """Copy a page into the host tier once its transfer came back ``wanted`` (a save
@@ -380,12 +383,12 @@ class KvService:
             self._inflight += 1
             self._add(n)
 
-    def _loaded(self, fut: Future, nbytes: int) -> None:
+    def _loaded(self, fut: Future, nbytes: int, hit: Optional[dict[str, int]] = None) -> None:
         status = None if fut.cancelled() or fut.exception() is not None else fut.result()
         with self._lock:
             self._inflight -= 1
             if status is LoadStatus.LOADED:
-                self._add({"loads_loaded": 1, "bytes_loaded": nbytes})
+                self._add({"loads_loaded": 1, "bytes_loaded": nbytes, **(hit or {})})
             else:
                 self._add({"loads_failed": 1})
 

@@ -196,7 +196,8 @@ def test_host_bytes_zero_turns_the_tier_off(tmp_path):
 def test_the_tier_is_bounded_by_bytes_and_counts_its_evictions(tmp_path):
     svc = KvService(cfg_at(tmp_path, host_bytes=3 * PAGE), spec())
     keys = svc.keys(TOKENS)
-    save_all(svc, keys[:5])  # write-through: the last three stay
+    for i in range(5):  # one at a time, so the LRU order is the saves' order; the last three stay
+        assert svc.save(0, keys[i], keys[i - 1] if i else None, page(i)).result() is SaveStatus.PUBLISHED
     assert svc.host.used == 3 * PAGE and len(svc.host) == 3
     c = svc.snapshot()
     assert (c["host_fills"], c["host_evictions"], c["host_evicted_bytes"]) == (5, 2, 2 * PAGE)
