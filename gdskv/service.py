@@ -336,8 +336,13 @@ class KvService:
             return LoadStatus.LOADED
 
         if ready is None and all(s.device.type == "cpu" for s in segments):
+            try:
+                status = copy()
+            except Exception as e:  # never into the serving loop: read the disk instead
+                log.warning("gdskv: a host-tier hit could not be copied into its page: %s", e)
+                return None
             done: Future = Future()
-            done.set_result(copy())
+            done.set_result(status)
             self._count(loads_posted=1, loads_loaded=1, bytes_loaded=nbytes, **hit)
             return done
         self._posted(loads_posted=1)

@@ -340,13 +340,19 @@ def report(o: Options, ttft: list[dict], decode: list[dict], loads: list[dict]) 
     return "\n".join(lines)
 
 
+def _usage(message: str) -> SystemExit:
+    """One line on stderr, exit code 2 (unusable input)."""
+    print(f"bench_ttft: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
 def _parse_list(text: str, what: str) -> tuple[int, ...]:
     try:
         values = tuple(parse_size(v.strip()) for v in text.split(",") if v.strip())
     except ValueError as e:
-        raise SystemExit(f"bench_ttft: {what}: {e}") from None
+        raise _usage(f"{what}: {e}") from None
     if not values or min(values) < 1:
-        raise SystemExit(f"bench_ttft: {what}: give positive values, e.g. 1k,8k")
+        raise _usage(f"{what}: give positive values, e.g. 1k,8k")
     return values
 
 
@@ -369,7 +375,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = ap.parse_args(argv)
     lengths = FULL_LENGTHS if a.full else (_parse_list(a.lengths, "--lengths") if a.lengths else DEFAULT_LENGTHS)
     if a.decode < 2:
-        raise SystemExit("bench_ttft: --decode must be at least 2")
+        raise _usage("--decode must be at least 2")
     o = Options(a.dir, lengths, a.decode, a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate,
                 _parse_list(a.page_sizes, "--page-sizes"), _parse_list(a.load_bytes, "--load-bytes")[0], a.rounds)
     workdir = tempfile.mkdtemp(prefix="gdskv-bench-ttft-", dir=o.directory)
