@@ -5,22 +5,29 @@ saves running vs without, and page loads from the host tier vs the disk, in one 
     python scripts/bench_ttft.py [--dir DIR] [--lengths 1k,8k] [--full] [--json OUT]
 
 On the CPU reference engine (``gdskv.engine``) with gdskv's TensorRT-LLM connector, default config
-(host tier on) unless a row says otherwise. Per prompt length, in order, on one store:
+(host tier on) unless a row says otherwise.
 
-1. ``computed``: the engine alone (a step clock for a connector, offering nothing) prefills the
-   prompt and decodes ``--decode`` tokens: TTFT from scratch, and the decode steps' times;
-2. ``computed+saving``: the same with gdskv on an empty store, whose saves of the prompt's blocks
-   run while the engine decodes: TTFT, and the decode steps' times (which of them had saves in
-   flight at their start is counted);
+TTFT, per prompt length, in order, on one store:
+
+1. ``computed``: the engine alone prefills the prompt (TTFT from scratch);
+2. ``computed+saving``: the same with gdskv on an empty store, saving the prompt's blocks;
 3. ``served cold``: a new connector (``host_bytes = 0``) after the page cache of every chunk file
    was dropped (``posix_fadvise(DONTNEED)``, as ``gdskv bench`` does); ``served warm``: again,
    from the page cache;
 4. ``served cold+fill``: a connector with the host tier on, page cache dropped: its loads fill the
    tier; ``served hot``: again, from the host tier.
 
-Every served run must give the computed run's first token and logits bit for bit (else the bench
-fails). Then page loads through ``KvService`` on torch CPU tensor pools, per page size: cold (page
-cache dropped), warm, cold with the tier filling, and hot (host tier), GB/s and ratios.
+Every run must give the computed run's first token and logits bit for bit (else the bench fails).
+
+Decode: a batch of requests decodes on one engine with gdskv; rounds alternate between ``without``
+and ``with saves``, where a saver thread keeps ``io_threads`` saves of fresh pages in flight
+through the same ``KvService`` (its I/O threads, checksums, host tier write-through) for the
+whole round, as the offload of other requests' KV would. A step counts as a decode step when
+every request it schedules computes one token; its time runs from its ``build_connector_meta``
+to the next one.
+
+Page loads through ``KvService`` on torch CPU tensor pools, per page size: cold (page cache
+dropped), warm, cold with the tier filling, and hot (host tier), GB/s and ratios.
 
 The model is large enough that prefill costs real time on a CPU (default: 8 layers, hidden 1024,
 16 query heads, 2 KV heads of 64, fp32: 8 KiB of KV per token, 32-token blocks = 256 KiB pages).
@@ -36,7 +43,9 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -59,85 +68,56 @@ DECODE_TARGET = 1.05  # decode step with saves running / without
 HOT_TARGET = 5.0  # hot (host tier) / cold page loads
 
 
-# --- step clocks ---------------------------------------------------------------------------------
+# --- step clock and saver ------------------------------------------------------------------------
 
-class StepClock:
-    """When each engine step began (``bind_connector_meta`` is called once per step) and how many
-    of the service's transfers were in flight then."""
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.in_flight: list[int] = []
-
-    def tick(self, in_flight: int) -> None:
-        self.starts.append(time.perf_counter())
-        self.in_flight.append(in_flight)
-
-    def reset(self) -> None:
-        self.starts.clear()
-        self.in_flight.clear()
-
-    def decode_steps(self, decode_tokens: int) -> tuple[list[float], list[int]]:
-        """Durations of the steps after the prefill step (one step: chunk_size >= the prompt)
-        that computed a token, and the transfers in flight at each one's start."""
-        n = min(decode_tokens - 1, len(self.starts) - 2)
-        return ([self.starts[i + 1] - self.starts[i] for i in range(1, n + 1)], self.in_flight[1:n + 1])
-
-
-class ClockScheduler:
-    """The scheduler half of a connector that offers nothing and saves nothing."""
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False
-
-    def build_connector_meta(self, scheduler_output: Any) -> None:
-        return None
-
-    def update_state_after_alloc(self, request: Any, block_ids: Any) -> None:
-        pass
-
-    def request_finished(self, request: Any, block_ids: Any) -> bool:
-        return False
-
-
-class ClockWorker:
-    """The worker half: only the step clock."""
-
-    def __init__(self) -> None:
-        self.clock = StepClock()
-
-    def register_kv_cache_layout(self, layout: Any) -> None:
-        pass
-
-    def bind_connector_meta(self, metadata: Any) -> None:
-        self.clock.tick(0)
-
-    def start_load_kv(self, stream: Any) -> None:
-        pass
-
-    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        pass
-
-    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
-        pass
-
-    def wait_for_save(self, stream: Any) -> None:
-        pass
-
-    def get_finished(self, finished_gen: list[int], started_loading: list[int]) -> tuple[list[int], list[int]]:
-        return [], []
-
-
-class TimedWorker(GdsKvWorker):
-    """gdskv's worker with a step clock."""
+class TimedScheduler(GdsKvScheduler):
+    """gdskv's scheduler, noting when each step began (``build_connector_meta`` is called once per
+    step), the tokens it scheduled per request, and the service's transfers in flight then."""
 
     def __init__(self, llm_args: Any, config: GdsKvConfig) -> None:
         super().__init__(llm_args, config=config)
-        self.clock = StepClock()
+        self.steps: list[tuple[float, list[int], int]] = []
+        self.worker: Optional[GdsKvWorker] = None
 
-    def bind_connector_meta(self, metadata: object) -> None:
-        self.clock.tick(self.service.in_flight if self.service is not None else 0)
-        super().bind_connector_meta(metadata)
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        scheduled = [d.num_scheduled_tokens for d in scheduler_output.new_requests + scheduler_output.cached_requests]
+        service = self.worker.service if self.worker is not None else None
+        self.steps.append((time.perf_counter(), [n for n in scheduled if n], service.in_flight if service else 0))
+        return super().build_connector_meta(scheduler_output)
+
+    def decode_steps(self) -> tuple[list[float], list[int]]:
+        """Durations of the steps where every scheduled request computed one token, and the
+        transfers in flight at each one's start."""
+        out, flight = [], []
+        for (t, scheduled, n), (t_next, _, _) in zip(self.steps, self.steps[1:]):
+            if scheduled and all(k == 1 for k in scheduled):
+                out.append(t_next - t)
+                flight.append(n)
+        return out, flight
+
+
+class Saver(threading.Thread):
+    """Keeps ``depth`` saves of fresh pages in flight through ``service`` until ``stop()``."""
+
+    def __init__(self, service: KvService, depth: int) -> None:
+        super().__init__(name="bench-saver", daemon=True)
+        self.service, self.depth = service, depth
+        self.page = torch.randint(0, 256, (service.bytes_per_page(service.group_ids[0]),), dtype=torch.uint8)
+        self.published = 0
+        self._stop_flag = threading.Event()
+
+    def run(self) -> None:
+        inflight: deque = deque()
+        group = self.service.group_ids[0]
+        while not self._stop_flag.is_set() or inflight:
+            while not self._stop_flag.is_set() and len(inflight) < self.depth:
+                inflight.append(self.service.save(group, os.urandom(32), None, [self.page]))
+            if inflight and inflight.popleft().result() is SaveStatus.PUBLISHED:
+                self.published += 1
+
+    def stop(self) -> None:
+        self._stop_flag.set()
+        self.join()
 
 
 # --- the TTFT and decode runs ----------------------------------------------------------------------
@@ -146,12 +126,14 @@ class TimedWorker(GdsKvWorker):
 class Options:
     directory: str = field(default_factory=tempfile.gettempdir)
     lengths: tuple[int, ...] = DEFAULT_LENGTHS
-    decode: int = 16
     layers: int = 8
     hidden: int = 1024
     heads: int = 16
     kv_heads: int = 2
     intermediate: int = 1024
+    decode: int = 32
+    decode_prompt: int = 512
+    decode_batch: int = 4
     page_sizes: tuple[int, ...] = (256 << 10, 1 << 20, 4 << 20)
     load_bytes: int = 256 << 20
     rounds: int = 3
@@ -166,33 +148,36 @@ def chunk_files(store_path: str) -> list[str]:
     return [e.path for _, _, e in PageStore.open(store_path, create=False).iter_chunk_files()]
 
 
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 class Stack:
-    """One reference engine with its connector (none: the step clock alone)."""
+    """One reference engine with gdskv's connector (``cfg`` None: the engine alone)."""
 
     def __init__(self, model: ModelConfig, engine_cfg: EngineConfig, cfg: Optional[GdsKvConfig]) -> None:
-        if cfg is None:
-            self.worker: Any = ClockWorker()
-            scheduler: Any = ClockScheduler()
-        else:
+        self.scheduler: Optional[TimedScheduler] = None
+        self.worker: Optional[GdsKvWorker] = None
+        if cfg is not None:
             args = StandaloneLlmArgs.build(model.fingerprint(), TOKENS_PER_BLOCK)
-            self.worker = TimedWorker(args, cfg)
-            scheduler = GdsKvScheduler(args, config=cfg)
-        self.engine = ReferenceEngine(model, engine_cfg, scheduler, [self.worker])
+            self.scheduler = TimedScheduler(args, cfg)
+            self.worker = self.scheduler.worker = GdsKvWorker(args, config=cfg)
+        self.engine = ReferenceEngine(model, engine_cfg, self.scheduler, None if self.worker is None else [self.worker])
 
-    def run(self, prompt: list[int], salt: str, new_tokens: int) -> Any:
-        self.worker.clock.reset()
-        [result] = self.engine.generate([prompt], new_tokens, cache_salts=[salt])
-        return result
+    def run(self, prompts: list[list[int]], salt: str, new_tokens: int) -> list[Any]:
+        if self.scheduler is not None:
+            self.scheduler.steps.clear()
+        return self.engine.generate(prompts, new_tokens, cache_salts=[salt] * len(prompts))
 
     def close(self) -> None:
-        if isinstance(self.worker, GdsKvWorker):
+        if self.worker is not None:
             self.worker.close()
 
 
-def ttft_section(o: Options, store_path: str) -> tuple[list[dict], list[dict]]:
+def ttft_section(o: Options, store_path: str) -> list[dict]:
     model = model_config(o)
     longest = max(o.lengths)
-    engine_cfg = EngineConfig(tokens_per_block=TOKENS_PER_BLOCK, num_slots=longest // TOKENS_PER_BLOCK + o.decode // TOKENS_PER_BLOCK + 4,
+    engine_cfg = EngineConfig(tokens_per_block=TOKENS_PER_BLOCK, num_slots=longest // TOKENS_PER_BLOCK + 4,
                               chunk_size=longest, max_batch=1)
     base = dict(store_path=store_path, stats_flush_seconds=60.0)
     stacks = {
@@ -201,48 +186,71 @@ def ttft_section(o: Options, store_path: str) -> tuple[list[dict], list[dict]]:
         "disk": Stack(model, engine_cfg, GdsKvConfig(**base, host_bytes=0)),
         "tier": Stack(model, engine_cfg, GdsKvConfig(**base)),
     }
-    ttft, decode = [], []
+    rows = []
     try:
         for length in o.lengths:
-            g = torch.Generator().manual_seed(length)
-            prompt = torch.randint(0, model.vocab_size, (length,), generator=g).tolist()
+            prompt = random_prompt(length, model.vocab_size, length)
             salt = f"bench-ttft-{length}"
             row: dict[str, Any] = {"tokens": length}
-            ref = stacks["computed"].run(prompt, salt, o.decode)
-            row["computed"] = ref.ttft_s
-            base_steps, _ = stacks["computed"].worker.clock.decode_steps(o.decode)
-            saving = stacks["computed+saving"].run(prompt, salt, o.decode)
-            row["computed+saving"] = saving.ttft_s
-            save_steps, in_flight = stacks["computed+saving"].worker.clock.decode_steps(o.decode)
-            overlapped = [i for i, n in enumerate(in_flight) if n > 0]
-            decode.append({
-                "tokens": length, "steps": len(save_steps),
-                "without_ms": 1e3 * statistics.median(base_steps), "with_saves_ms": 1e3 * statistics.median(save_steps),
-                "steps_with_saves_in_flight": len(overlapped),
-                "overlapped_without_ms": 1e3 * statistics.fmean([base_steps[i] for i in overlapped]) if overlapped else None,
-                "overlapped_with_ms": 1e3 * statistics.fmean([save_steps[i] for i in overlapped]) if overlapped else None,
-            })
-            if saving.tokens != ref.tokens:
-                raise RuntimeError(f"{length} tokens: the run with gdskv generated other tokens than the engine alone")
-            for name, stack, kind in (("served cold", "disk", "cold"), ("served warm", "disk", "warm"),
-                                      ("served cold+fill", "tier", "cold"), ("served hot", "tier", "warm")):
-                if kind == "cold":
+            [ref] = stacks["computed"].run([prompt], salt, 1)
+            served = (length - 1) // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
+            for name, stack, cold in (("computed", "computed", False), ("computed+saving", "computed+saving", False),
+                                      ("served cold", "disk", True), ("served warm", "disk", False),
+                                      ("served cold+fill", "tier", True), ("served hot", "tier", False)):
+                if cold:
                     drop_page_cache(chunk_files(store_path))
-                r = stacks[stack].run(prompt, salt, 1)
-                served = (length - 1) // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
-                if r.prefill_tokens_loaded != served or r.tokens[0] != ref.tokens[0] or not torch.equal(r.logits[0], ref.logits[0]):
-                    raise RuntimeError(f"{length} tokens, {name}: {r.prefill_tokens_loaded} of {served} tokens served, "
+                [r] = [ref] if name == "computed" else stacks[stack].run([prompt], salt, 1)
+                loaded = 0 if name.startswith("computed") else served
+                if r.prefill_tokens_loaded != loaded or r.tokens != ref.tokens or not torch.equal(r.logits[0], ref.logits[0]):
+                    raise RuntimeError(f"{length} tokens, {name}: {r.prefill_tokens_loaded} of {loaded} tokens served, "
                                        f"first token {r.tokens[0]} vs {ref.tokens[0]} computed (logits must be equal)")
                 row[name] = r.ttft_s
-            hits = stacks["tier"].worker.service.snapshot()["host_hits"]
-            row["host_hits_so_far"] = hits
-            ttft.append(row)
+            row["host_hits_so_far"] = stacks["tier"].worker.service.snapshot()["host_hits"]
+            rows.append(row)
             print(f"  {length} tokens: computed {row['computed']:.2f} s, served cold {row['served cold']:.3f} s, "
                   f"hot {row['served hot']:.3f} s", file=sys.stderr, flush=True)
     finally:
         for s in stacks.values():
             s.close()
-    return ttft, decode
+    return rows
+
+
+def decode_section(o: Options, store_path: str) -> dict:
+    model = model_config(o)
+    engine_cfg = EngineConfig(tokens_per_block=TOKENS_PER_BLOCK, chunk_size=o.decode_prompt, max_batch=o.decode_batch,
+                              num_slots=o.decode_batch * ((o.decode_prompt + o.decode) // TOKENS_PER_BLOCK + 2) + 4)
+    cfg = GdsKvConfig(store_path=store_path, stats_flush_seconds=60.0)
+    stack = Stack(model, engine_cfg, cfg)
+    prompts = [random_prompt(o.decode_prompt, model.vocab_size, 7000 + i) for i in range(o.decode_batch)]
+    times: dict[str, list[float]] = {"without": [], "with saves": []}
+    in_flight: dict[str, list[int]] = {"without": [], "with saves": []}
+    published = 0
+    try:
+        reference = [r.tokens for r in stack.run(prompts, "bench-decode", o.decode)]  # computes, saves the prompts
+        for i in range(o.rounds):
+            for mode in (("without", "with saves") if i % 2 == 0 else ("with saves", "without")):
+                saver = Saver(stack.worker.service, cfg.io_threads) if mode == "with saves" else None
+                if saver is not None:
+                    saver.start()
+                try:
+                    results = stack.run(prompts, "bench-decode", o.decode)
+                finally:
+                    if saver is not None:
+                        saver.stop()
+                        published += saver.published
+                if [r.tokens for r in results] != reference:
+                    raise RuntimeError("decode: a round generated other tokens")
+                steps, flight = stack.scheduler.decode_steps()
+                times[mode] += steps
+                in_flight[mode] += flight
+    finally:
+        stack.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"context": o.decode_prompt, "batch": o.decode_batch, "steps": {k: len(v) for k, v in times.items()},
+            "without_ms": 1e3 * med["without"], "with_saves_ms": 1e3 * med["with saves"],
+            "ratio": med["with saves"] / med["without"],
+            "mean_in_flight_with_saves": statistics.fmean(in_flight["with saves"]),
+            "saver_pages_published": published}
 
 
 # --- page loads: cold, warm, hot -------------------------------------------------------------------
@@ -308,30 +316,31 @@ def _tokens(n: int) -> str:
     return f"{n >> 10}k" if n % 1024 == 0 else str(n)
 
 
-def report(o: Options, ttft: list[dict], decode: list[dict], loads: list[dict]) -> str:
+def report(o: Options, ttft: list[dict], decode: Optional[dict], loads: list[dict]) -> str:
     m = model_config(o)
     kv = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
     lines = [f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / {m.num_kv_heads} KV heads of "
              f"{m.head_dim}, MLP {m.intermediate_size}, fp32; KV {kv >> 10} KiB/token, pages of {TOKENS_PER_BLOCK} tokens = "
-             f"{_size(kv * TOKENS_PER_BLOCK)}", "",
-             "TTFT (s); ratio = served / computed; target at 8k: hot and cold <= "
-             f"{TTFT_TARGET}",
-             "| prompt | computed | computed+saving | served cold | served warm | served cold+fill | served hot | cold ratio | hot ratio |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in ttft:
-        c = r["computed"]
-        lines.append(f"| {_tokens(r['tokens'])} | {c:.2f} | {r['computed+saving']:.2f} | {r['served cold']:.3f} | "
-                     f"{r['served warm']:.3f} | {r['served cold+fill']:.3f} | {r['served hot']:.3f} | "
-                     f"{r['served cold'] / c:.4f} | {r['served hot'] / c:.4f} |")
-    lines += ["", f"decode step (ms, median over the steps after prefill); target: with saves <= {DECODE_TARGET} x without",
-              "| prompt | steps | without | with saves | ratio | steps with saves in flight | those steps without | with | ratio |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for d in decode:
-        ov = (f"{d['overlapped_without_ms']:.1f} | {d['overlapped_with_ms']:.1f} | "
-              f"{d['overlapped_with_ms'] / d['overlapped_without_ms']:.3f}") if d["steps_with_saves_in_flight"] else "– | – | –"
-        lines.append(f"| {_tokens(d['tokens'])} | {d['steps']} | {d['without_ms']:.1f} | {d['with_saves_ms']:.1f} | "
-                     f"{d['with_saves_ms'] / d['without_ms']:.3f} | {d['steps_with_saves_in_flight']} | {ov} |")
-    lines += ["", f"page loads through KvService, torch CPU tensor pool (GB/s, median of {o.rounds}); target: hot >= "
+             f"{_size(kv * TOKENS_PER_BLOCK)}", ""]
+    if ttft:
+        lines += [f"TTFT (s); ratio = served / computed; target at 8k: <= {TTFT_TARGET}",
+                  "| prompt | computed | computed+saving | served cold | served warm | served cold+fill | served hot | "
+                  "cold ratio | hot ratio |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in ttft:
+            c = r["computed"]
+            lines.append(f"| {_tokens(r['tokens'])} | {c:.2f} | {r['computed+saving']:.2f} | {r['served cold']:.3f} | "
+                         f"{r['served warm']:.3f} | {r['served cold+fill']:.3f} | {r['served hot']:.3f} | "
+                         f"{r['served cold'] / c:.4f} | {r['served hot'] / c:.4f} |")
+        lines.append("")
+    if decode:
+        d = decode
+        lines += [f"decode step (ms, median), {d['batch']} requests at {_tokens(d['context'])} tokens of context, "
+                  f"{o.rounds} rounds of each, alternating; target: with saves <= {DECODE_TARGET} x without",
+                  "| steps (without / with) | without | with saves | ratio | saves in flight per step | pages the saver published |",
+                  "|---|---|---|---|---|---|",
+                  f"| {d['steps']['without']} / {d['steps']['with saves']} | {d['without_ms']:.1f} | {d['with_saves_ms']:.1f} | "
+                  f"{d['ratio']:.3f} | {d['mean_in_flight_with_saves']:.1f} | {d['saver_pages_published']} |", ""]
+    lines += [f"page loads through KvService, torch CPU tensor pool (GB/s, median of {o.rounds}); target: hot >= "
               f"{HOT_TARGET} x cold",
               "| page | pages | cold | warm | cold+fill | hot | hot / cold | cold+fill / cold |", "|---|---|---|---|---|---|---|---|"]
     for r in loads:
@@ -361,27 +370,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the bench's stores are made (and removed)")
     ap.add_argument("--lengths", help="prompt lengths in tokens (default 1k,8k; k = 1024)")
     ap.add_argument("--full", action="store_true", help="1k, 2k, 4k, 8k, 16k and 32k tokens (long)")
-    ap.add_argument("--decode", type=int, default=16, help="tokens decoded after each prefill")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--decode", type=int, default=32, help="tokens each request decodes in the decode section")
+    ap.add_argument("--decode-prompt", type=int, default=512, help="prompt tokens of each request there")
+    ap.add_argument("--decode-batch", type=int, default=4, help="requests decoding together there")
     ap.add_argument("--page-sizes", default="256K,1M,4M", help="page sizes of the load section")
     ap.add_argument("--load-bytes", default="256M", help="bytes loaded per page size and kind")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--skip-ttft", action="store_true", help="only the page-load section")
+    ap.add_argument("--only", choices=["ttft", "decode", "loads"], action="append", help="run only these sections")
     ap.add_argument("--json", help="also write the figures as JSON to this file")
     a = ap.parse_args(argv)
     lengths = FULL_LENGTHS if a.full else (_parse_list(a.lengths, "--lengths") if a.lengths else DEFAULT_LENGTHS)
-    if a.decode < 2:
-        raise _usage("--decode must be at least 2")
-    o = Options(a.dir, lengths, a.decode, a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate,
-                _parse_list(a.page_sizes, "--page-sizes"), _parse_list(a.load_bytes, "--load-bytes")[0], a.rounds)
+    if a.decode < 2 or a.decode_prompt < 1 or a.decode_batch < 1 or a.rounds < 1:
+        raise _usage("--decode must be at least 2; --decode-prompt, --decode-batch and --rounds at least 1")
+    o = Options(a.dir, lengths, a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate, a.decode, a.decode_prompt,
+                a.decode_batch, _parse_list(a.page_sizes, "--page-sizes"), _parse_list(a.load_bytes, "--load-bytes")[0], a.rounds)
+    sections = set(a.only or ("ttft", "decode", "loads"))
     workdir = tempfile.mkdtemp(prefix="gdskv-bench-ttft-", dir=o.directory)
     try:
-        ttft, decode = ([], []) if a.skip_ttft else ttft_section(o, os.path.join(workdir, "store"))
-        loads = loads_section(o, workdir)
+        ttft = ttft_section(o, os.path.join(workdir, "store")) if "ttft" in sections else []
+        decode = decode_section(o, os.path.join(workdir, "decode")) if "decode" in sections else None
+        loads = loads_section(o, workdir) if "loads" in sections else []
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(report(o, ttft, decode, loads))

@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_ttft.py"
 TOY = ["--lengths", "64", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
-       "--decode", "3", "--page-sizes", "64K", "--load-bytes", "1M", "--rounds", "1"]
+       "--decode", "4", "--decode-prompt", "40", "--decode-batch", "2", "--page-sizes", "64K", "--load-bytes", "1M",
+       "--rounds", "1"]
 
 
 @pytest.mark.slow
@@ -28,6 +29,8 @@ def test_a_toy_run_reports_every_section(tmp_path):
     [ttft] = figures["ttft"]
     assert ttft["tokens"] == 64 and ttft["host_hits_so_far"] > 0
     assert all(ttft[k] > 0 for k in ("computed", "served cold", "served warm", "served cold+fill", "served hot"))
+    decode = figures["decode"]
+    assert decode["steps"]["without"] >= 2 and decode["steps"]["with saves"] >= 2 and decode["saver_pages_published"] > 0
     [loads] = figures["loads"]
     assert loads["pages"] == 16 and loads["hot_gbps"] > 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gdskv-bench-ttft-")], "work directory left behind"
