@@ -141,7 +141,9 @@ class HostTier:
         payload, evicting least recently used entries to make room. The caller guarantees the
         segments hold exactly ``key``'s verified payload and stay unchanged during the call. A key
         already held is only made the most recent; a page larger than the budget is not held."""
-        nbytes = sum(_flat(s).numel() for s in segments)
+        nbytes = payload_nbytes(segments)
+        if nbytes is None:
+            raise ValueError("a page segment must be contiguous to be copied in place")
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
@@ -185,8 +187,8 @@ class HostTier:
             self._used = 0
 
     def _evict_until(self, limit: int) -> tuple[int, int]:
-        """Drop least recent entries until ``used <= limit``; under the lock. Buffers nobody reads
-        are kept (one per size evicted) for reuse."""
+        """Drop least recent entries until ``used <= limit``; under the lock. The buffers nobody
+        reads are kept for this put to reuse (until the next eviction)."""
         self._spare.clear()  # only what this put frees is worth keeping
         pages = freed = 0
         while self._used > limit and self._entries:
