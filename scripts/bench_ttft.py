@@ -19,12 +19,12 @@ TTFT, per prompt length, in order, on one store:
 
 Every run must give the computed run's first token and logits bit for bit (else the bench fails).
 
-Decode: a batch of requests decodes on one engine with gdskv; rounds alternate between ``without``
-and ``with saves``, where a saver thread keeps ``io_threads`` saves of fresh pages in flight
-through the same ``KvService`` (its I/O threads, checksums, host tier write-through) for the
-whole round, as the offload of other requests' KV would. A step counts as a decode step when
-every request it schedules computes one token; its time runs from its ``build_connector_meta``
-to the next one.
+Decode: a batch of requests decodes on one engine with gdskv; rounds rotate between no saves and,
+per ``--save-rates``, a saver thread that saves fresh pages through the same ``KvService`` (its
+I/O threads, checksums, host tier write-through) at that rate for the whole round (up to
+``io_threads`` in flight; 0: as fast as they go), as the offload of other requests' KV would. A
+step counts as a decode step when every request it schedules computes one token; its time runs
+from its ``build_connector_meta`` to the next one.
 
 Page loads through ``KvService`` on torch CPU tensor pools, per page size: cold (page cache
 dropped), warm, cold with the tier filling, and hot (host tier), GB/s and ratios.
@@ -97,11 +97,12 @@ class TimedScheduler(GdsKvScheduler):
 
 
 class Saver(threading.Thread):
-    """Keeps ``depth`` saves of fresh pages in flight through ``service`` until ``stop()``."""
+    """Saves fresh pages through ``service`` until ``stop()``: ``rate`` bytes per second at most,
+    with up to ``depth`` saves in flight (``rate`` 0: as fast as they go)."""
 
-    def __init__(self, service: KvService, depth: int) -> None:
+    def __init__(self, service: KvService, depth: int, rate: int) -> None:
         super().__init__(name="bench-saver", daemon=True)
-        self.service, self.depth = service, depth
+        self.service, self.depth, self.rate = service, depth, rate
         self.page = torch.randint(0, 256, (service.bytes_per_page(service.group_ids[0]),), dtype=torch.uint8)
         self.published = 0
         self._stop_flag = threading.Event()
@@ -109,9 +110,15 @@ class Saver(threading.Thread):
     def run(self) -> None:
         inflight: deque = deque()
         group = self.service.group_ids[0]
+        start, posted = time.perf_counter(), 0
         while not self._stop_flag.is_set() or inflight:
             while not self._stop_flag.is_set() and len(inflight) < self.depth:
+                if self.rate and posted * self.page.numel() > self.rate * (time.perf_counter() - start):
+                    if not inflight:
+                        self._stop_flag.wait(0.002)
+                    break
                 inflight.append(self.service.save(group, os.urandom(32), None, [self.page]))
+                posted += 1
             if inflight and inflight.popleft().result() is SaveStatus.PUBLISHED:
                 self.published += 1
 
@@ -134,6 +141,8 @@ class Options:
     decode: int = 32
     decode_prompt: int = 512
     decode_batch: int = 4
+    save_rates: tuple[int, ...] = (64 << 20, 0)
+    decode_host_bytes: Optional[int] = None
     page_sizes: tuple[int, ...] = (256 << 10, 1 << 20, 4 << 20)
     load_bytes: int = 256 << 20
     rounds: int = 3
@@ -215,21 +224,24 @@ def ttft_section(o: Options, store_path: str) -> list[dict]:
     return rows
 
 
-def decode_section(o: Options, store_path: str) -> dict:
+def decode_section(o: Options, store_path: str) -> list[dict]:
     model = model_config(o)
     engine_cfg = EngineConfig(tokens_per_block=TOKENS_PER_BLOCK, chunk_size=o.decode_prompt, max_batch=o.decode_batch,
                               num_slots=o.decode_batch * ((o.decode_prompt + o.decode) // TOKENS_PER_BLOCK + 2) + 4)
-    cfg = GdsKvConfig(store_path=store_path, stats_flush_seconds=60.0)
+    cfg = GdsKvConfig(store_path=store_path, stats_flush_seconds=60.0, host_bytes=o.decode_host_bytes)
     stack = Stack(model, engine_cfg, cfg)
     prompts = [random_prompt(o.decode_prompt, model.vocab_size, 7000 + i) for i in range(o.decode_batch)]
-    times: dict[str, list[float]] = {"without": [], "with saves": []}
-    in_flight: dict[str, list[int]] = {"without": [], "with saves": []}
-    published = 0
+    modes: list[Optional[int]] = [None, *o.save_rates]  # None: no saver
+    times: dict[Optional[int], list[float]] = {m: [] for m in modes}
+    in_flight: dict[Optional[int], list[int]] = {m: [] for m in modes}
+    published: dict[Optional[int], int] = {m: 0 for m in modes}
+    seconds: dict[Optional[int], float] = {m: 0.0 for m in modes}
     try:
         reference = [r.tokens for r in stack.run(prompts, "bench-decode", o.decode)]  # computes, saves the prompts
         for i in range(o.rounds):
-            for mode in (("without", "with saves") if i % 2 == 0 else ("with saves", "without")):
-                saver = Saver(stack.worker.service, cfg.io_threads) if mode == "with saves" else None
+            for mode in modes[i % len(modes):] + modes[:i % len(modes)]:  # the order rotates between rounds
+                saver = Saver(stack.worker.service, cfg.io_threads, mode) if mode is not None else None
+                t0 = time.perf_counter()
                 if saver is not None:
                     saver.start()
                 try:
@@ -237,20 +249,21 @@ def decode_section(o: Options, store_path: str) -> dict:
                 finally:
                     if saver is not None:
                         saver.stop()
-                        published += saver.published
+                        published[mode] += saver.published
+                seconds[mode] += time.perf_counter() - t0
                 if [r.tokens for r in results] != reference:
                     raise RuntimeError("decode: a round generated other tokens")
                 steps, flight = stack.scheduler.decode_steps()
                 times[mode] += steps
                 in_flight[mode] += flight
+        page = stack.worker.service.bytes_per_page(stack.worker.service.group_ids[0])
     finally:
         stack.close()
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"context": o.decode_prompt, "batch": o.decode_batch, "steps": {k: len(v) for k, v in times.items()},
-            "without_ms": 1e3 * med["without"], "with_saves_ms": 1e3 * med["with saves"],
-            "ratio": med["with saves"] / med["without"],
-            "mean_in_flight_with_saves": statistics.fmean(in_flight["with saves"]),
-            "saver_pages_published": published}
+    without = statistics.median(times[None])
+    return [{"context": o.decode_prompt, "batch": o.decode_batch, "saves": "none" if m is None else ("as fast as they go" if m == 0 else f"{m >> 20} MiB/s"),
+             "steps": len(times[m]), "step_ms": 1e3 * statistics.median(times[m]), "ratio": statistics.median(times[m]) / without,
+             "mean_saves_in_flight": statistics.fmean(in_flight[m]) if in_flight[m] else 0.0,
+             "saved_mb_per_s": published[m] * page / seconds[m] / 1e6 if seconds[m] else 0.0} for m in modes]
 
 
 # --- page loads: cold, warm, hot -------------------------------------------------------------------
@@ -316,7 +329,7 @@ def _tokens(n: int) -> str:
     return f"{n >> 10}k" if n % 1024 == 0 else str(n)
 
 
-def report(o: Options, ttft: list[dict], decode: Optional[dict], loads: list[dict]) -> str:
+def report(o: Options, ttft: list[dict], decode: list[dict], loads: list[dict]) -> str:
     m = model_config(o)
     kv = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
     lines = [f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / {m.num_kv_heads} KV heads of "
@@ -333,13 +346,14 @@ def report(o: Options, ttft: list[dict], decode: Optional[dict], loads: list[dic
                          f"{r['served cold'] / c:.4f} | {r['served hot'] / c:.4f} |")
         lines.append("")
     if decode:
-        d = decode
-        lines += [f"decode step (ms, median), {d['batch']} requests at {_tokens(d['context'])} tokens of context, "
-                  f"{o.rounds} rounds of each, alternating; target: with saves <= {DECODE_TARGET} x without",
-                  "| steps (without / with) | without | with saves | ratio | saves in flight per step | pages the saver published |",
-                  "|---|---|---|---|---|---|",
-                  f"| {d['steps']['without']} / {d['steps']['with saves']} | {d['without_ms']:.1f} | {d['with_saves_ms']:.1f} | "
-                  f"{d['ratio']:.3f} | {d['mean_in_flight_with_saves']:.1f} | {d['saver_pages_published']} |", ""]
+        d0 = decode[0]
+        lines += [f"decode step (ms, median), {d0['batch']} requests at {_tokens(d0['context'])} tokens of context, "
+                  f"{o.rounds} rounds of each, rotating; target: with saves <= {DECODE_TARGET} x without",
+                  "| saves running | steps | step | ratio | saves in flight per step | saved (MB/s) |", "|---|---|---|---|---|---|"]
+        for d in decode:
+            lines.append(f"| {d['saves']} | {d['steps']} | {d['step_ms']:.1f} | {d['ratio']:.3f} | "
+                         f"{d['mean_saves_in_flight']:.1f} | {d['saved_mb_per_s']:.0f} |")
+        lines.append("")
     lines += [f"page loads through KvService, torch CPU tensor pool (GB/s, median of {o.rounds}); target: hot >= "
               f"{HOT_TARGET} x cold",
               "| page | pages | cold | warm | cold+fill | hot | hot / cold | cold+fill / cold |", "|---|---|---|---|---|---|---|---|"]
@@ -353,6 +367,13 @@ def _usage(message: str) -> SystemExit:
     """One line on stderr, exit code 2 (unusable input)."""
     print(f"bench_ttft: {message}", file=sys.stderr)
     return SystemExit(2)
+
+
+def _size_arg(text: str, what: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise _usage(f"{what}: {e}") from None
 
 
 def _parse_list(text: str, what: str) -> tuple[int, ...]:
@@ -378,6 +399,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--decode", type=int, default=32, help="tokens each request decodes in the decode section")
     ap.add_argument("--decode-prompt", type=int, default=512, help="prompt tokens of each request there")
     ap.add_argument("--decode-batch", type=int, default=4, help="requests decoding together there")
+    ap.add_argument("--save-rates", default="64M,0", help="bytes per second the decode section's saver saves at, "
+                    "one set of rounds each (0: as fast as the saves go)")
+    ap.add_argument("--decode-host-bytes", help="host_bytes of the decode section's connector (default: the config's)")
     ap.add_argument("--page-sizes", default="256K,1M,4M", help="page sizes of the load section")
     ap.add_argument("--load-bytes", default="256M", help="bytes loaded per page size and kind")
     ap.add_argument("--rounds", type=int, default=3)
@@ -387,13 +411,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lengths = FULL_LENGTHS if a.full else (_parse_list(a.lengths, "--lengths") if a.lengths else DEFAULT_LENGTHS)
     if a.decode < 2 or a.decode_prompt < 1 or a.decode_batch < 1 or a.rounds < 1:
         raise _usage("--decode must be at least 2; --decode-prompt, --decode-batch and --rounds at least 1")
-    o = Options(a.dir, lengths, a.layers, a.hidden, a.heads, a.kv_heads, a.intermediate, a.decode, a.decode_prompt,
-                a.decode_batch, _parse_list(a.page_sizes, "--page-sizes"), _parse_list(a.load_bytes, "--load-bytes")[0], a.rounds)
+    rates = tuple(_size_arg(v.strip(), "--save-rates") for v in a.save_rates.split(",") if v.strip())
+    o = Options(directory=a.dir, lengths=lengths, layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
+                intermediate=a.intermediate, decode=a.decode, decode_prompt=a.decode_prompt, decode_batch=a.decode_batch,
+                save_rates=rates, page_sizes=_parse_list(a.page_sizes, "--page-sizes"),
+                load_bytes=_parse_list(a.load_bytes, "--load-bytes")[0], rounds=a.rounds,
+                decode_host_bytes=None if a.decode_host_bytes is None else _size_arg(a.decode_host_bytes, "--decode-host-bytes"))
     sections = set(a.only or ("ttft", "decode", "loads"))
     workdir = tempfile.mkdtemp(prefix="gdskv-bench-ttft-", dir=o.directory)
     try:
         ttft = ttft_section(o, os.path.join(workdir, "store")) if "ttft" in sections else []
-        decode = decode_section(o, os.path.join(workdir, "decode")) if "decode" in sections else None
+        decode = decode_section(o, os.path.join(workdir, "decode")) if "decode" in sections else []
         loads = loads_section(o, workdir) if "loads" in sections else []
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
