@@ -354,12 +354,12 @@ def report(o: Options, ttft: list[dict], decode: list[dict], loads: list[dict]) 
             lines.append(f"| {d['saves']} | {d['steps']} | {d['step_ms']:.1f} | {d['ratio']:.3f} | "
                          f"{d['mean_saves_in_flight']:.1f} | {d['saved_mb_per_s']:.0f} |")
         lines.append("")
-    lines += [f"page loads through KvService, torch CPU tensor pool (GB/s, median of {o.rounds}); target: hot >= "
-              f"{HOT_TARGET} x cold",
-              "| page | pages | cold | warm | cold+fill | hot | hot / cold | cold+fill / cold |", "|---|---|---|---|---|---|---|---|"]
-    for r in loads:
-        lines.append(f"| {_size(r['page'])} | {r['pages']} | {r['cold_gbps']:.2f} | {r['warm_gbps']:.2f} | "
-                     f"{r['cold+fill_gbps']:.2f} | {r['hot_gbps']:.2f} | {r['hot_vs_cold']:.1f} | {r['fill_cost']:.2f} |")
+    if loads:
+        lines += [f"page loads through KvService, torch CPU tensor pool (GB/s, median of {o.rounds}); target: hot >= "
+                  f"{HOT_TARGET} x cold", "| page | pages | cold | warm | cold+fill | hot | hot / cold | cold+fill / cold |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {_size(r['page'])} | {r['pages']} | {r['cold_gbps']:.2f} | {r['warm_gbps']:.2f} | {r['cold+fill_gbps']:.2f} | "
+                  f"{r['hot_gbps']:.2f} | {r['hot_vs_cold']:.1f} | {r['fill_cost']:.2f} |" for r in loads]
     return "\n".join(lines)
 
 
