@@ -221,6 +221,10 @@ class GdsKvConfig:
     file_mode: int = DEFAULT_FILE_MODE
     auth_key_file: Optional[str] = None
     auth_key_env: Optional[str] = None
+    host_bytes: Optional[int] = None
+    """Bytes of page payload the host-memory tier of each worker (``KvService``) holds in front of
+    the disk (``gdskv.hosttier``); 0 turns it off. Unset: 4 GiB, or an eighth of the machine's
+    memory where that is less (``gdskv.hosttier.tier_bytes``)."""
     window_aware: bool = False
     """Window-aware serving for sliding-window layer groups (TensorRT-LLM connector): a sliding
     group needs only the blocks inside its window before the served length, so the served prefix
@@ -261,7 +265,7 @@ class GdsKvConfig:
             raise bad("window_aware", f"must be true or false, got {self.window_aware!r}")
         if self.async_load_min_bytes is False:  # TOML has no None: false turns asynchronous loads off
             self.async_load_min_bytes = None
-        for key in ("kvikio_task_size", "max_bytes", "min_free_bytes", "async_load_min_bytes"):
+        for key in ("kvikio_task_size", "max_bytes", "min_free_bytes", "async_load_min_bytes", "host_bytes"):
             v = getattr(self, key)
             if v is None:
                 continue

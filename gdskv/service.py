@@ -11,7 +11,9 @@ no policy of its own. The service owns:
   served prefix ends at the first block ordinal any group or shard misses: ``gdskv.planner``),
   with **leases** that eviction in any process respects; a lookup whose lease fails (a chunk
   evicted between the presence check and the lease) is planned again;
-- **loads and saves** of pages (futures), of this process's own shard;
+- **loads and saves** of pages (futures), of this process's own shard, through a **host tier**
+  (``gdskv.hosttier``: ``host_bytes`` of verified pages in host memory, write-through on save,
+  filled on load) in front of the disk;
 - **lineage**: block keys chained on their parents (``keys``), the parent recorded with each save;
   for an engine that names blocks itself, links learnt from the runs it shows (``lineage``);
 - **counters**: this process's outcomes (``counters``), and the store's per-process counter files
@@ -31,13 +33,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import install_budget
 from gdskv.garbage import collect_in_background
+from gdskv.hosttier import HostTier, TierConfigError, payload_nbytes, scatter, tier_bytes
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
 from gdskv.planner import Lookup, Salt, contiguous_hits, lookup_needs, plan_lookup, plan_lookup_window_aware
@@ -50,6 +53,9 @@ log = logging.getLogger(__name__)
 LEASE_SECONDS = 30.0
 """How long a lookup's served chunks are leased against eviction (in any process), so the load
 that follows finds them."""
+HOST_COPY_THREADS = 2
+"""Threads that copy host-tier hits into pages that must first wait for the engine's stream, or
+that live in device memory (a hit into plain host memory is copied on the caller's thread)."""
 LINEAGE_CAPACITY = 1 << 16
 """How many ``block -> parent`` links ``KvService.lineage`` remembers."""
 
@@ -76,6 +82,16 @@ class ServiceCounters:
     saves_existing: int = 0
     saves_dropped: int = 0
     bytes_saved: int = 0
+    host_hits: int = 0
+    """Loads served from the host tier (also counted in ``loads_loaded`` / ``bytes_loaded``)."""
+    host_misses: int = 0
+    """Loads the host tier (when on) did not hold, posted to the disk."""
+    host_hit_bytes: int = 0
+    host_fills: int = 0
+    """Pages copied into the host tier: published by a save, or verified by a load from disk."""
+    host_fill_bytes: int = 0
+    host_evictions: int = 0
+    host_evicted_bytes: int = 0
 
 
 class KvService:
@@ -121,6 +137,13 @@ class KvService:
         # ConfigError (naming the setting) at bring-up; the remote tier verifies what it fetches
         auth_key = cfg.auth_key() if transfers or cfg.remote is not None else None
         try:
+            host_bytes = tier_bytes(cfg.host_bytes) if transfers else 0
+        except TierConfigError as e:
+            raise ServiceSetupError(str(e)) from None
+        self.host: Optional[HostTier] = None
+        """The host tier (None: ``host_bytes = 0``, or no transfers)."""
+        self._host_copies: Optional[ThreadPoolExecutor] = None
+        try:
             self.store = PageStore.from_config(cfg)
             self.namespaces = [self.store.namespace(spec.with_rank(r)) for r in range(spec.tp_size)]
             if transfers or cfg.remote is not None:  # a lookup-only service writes no chunk unless it reads through
@@ -138,6 +161,9 @@ class KvService:
                 self.transfers[r] = PageTransfer(self.namespaces[r], self.engine, threads=cfg.io_threads,
                                                  stats_flush_seconds=cfg.stats_flush_seconds, auth_key=auth_key)
             self.transfer = self.transfers.get(spec.tp_rank)
+            if host_bytes:
+                self.host = HostTier(host_bytes)
+                self._host_copies = ThreadPoolExecutor(max_workers=HOST_COPY_THREADS, thread_name_prefix="gdskv-host")
         if cfg.remote is not None:
             try:
                 self.remote = RemoteTier(cfg.remote, auth_key, uploads=transfers)
@@ -274,13 +300,19 @@ class KvService:
         ``segments`` and verify it; the future's result is ``LoadStatus.LOADED`` only when the
         page holds exactly that KV. None when the service has no transfers (inactive store): the
         caller recomputes."""
-        transfer = self.transfers.get(self.spec.tp_rank if shard is None else shard)
+        rank = self.spec.tp_rank if shard is None else shard
+        transfer = self.transfers.get(rank)
         if transfer is None:
             return None
-        fut = transfer.load_page(group, key, segments, ready=ready)
+        segments = list(segments)
         nbytes = self.bytes_per_page(group)
+        if self.host is not None:
+            fut = self._load_from_host(rank, group, key, segments, ready, nbytes)
+            if fut is not None:
+                return fut
         self._posted(loads_posted=1)
-        return _counted(fut, lambda f: self._loaded(f, nbytes))
+        fut = transfer.load_page(group, key, segments, ready=ready)
+        return _counted(fut, lambda f: (self._fill(f, LoadStatus.LOADED, rank, group, key, segments), self._loaded(f, nbytes)))
 
     def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
              ready: Optional[Any] = None, shard: Optional[int] = None) -> Optional["Future[SaveStatus]"]:
@@ -288,15 +320,84 @@ class KvService:
         (``parent``: the previous block's key, or None for block 0) unless it is stored already.
         The caller keeps the page unchanged until the future resolves. None when the service has
         no transfers."""
-        transfer = self.transfers.get(self.spec.tp_rank if shard is None else shard)
+        rank = self.spec.tp_rank if shard is None else shard
+        transfer = self.transfers.get(rank)
         if transfer is None:
             return None
+        segments = list(segments)
         fut = transfer.save_page(group, key, parent, segments, ready=ready)
         if self.remote is not None:
             fut = self.remote.after_save(transfer.ns, group, key, fut)
         nbytes = self.bytes_per_page(group)
         self._posted(saves_posted=1)
-        return _counted(fut, lambda f: self._saved(f, nbytes))
+        return _counted(fut, lambda f: (self._fill(f, SaveStatus.PUBLISHED, rank, group, key, segments), self._saved(f, nbytes)))
+
+    def _load_from_host(self, rank: int, group: int, key: bytes, segments: list[Any], ready: Optional[Any],
+                        nbytes: int) -> Optional[Future]:
+        """A load served from the host tier, or None (a miss: the caller reads the disk). Only an
+        entry of exactly the segments' size is served. Into plain host memory with nothing to wait
+        for, the copy runs here and the future comes back done (a hand-off, or a second future,
+        would cost more than the copy); otherwise on a copy thread, after ``ready``, and the future
+        resolves once the bytes are in the page."""
+        size = payload_nbytes(segments)
+        lent = self.host.borrow((rank, group, key), size) if size is not None else None
+        shared = self.namespaces[rank].counters
+        if lent is None:
+            self._count(host_misses=1)
+            shared.add("host_misses")
+            return None
+        hit = {"host_hits": 1, "host_hit_bytes": size}
+
+        def copy() -> LoadStatus:
+            with lent as buf:
+                if ready is not None:
+                    ready.synchronize()
+                scatter(buf, segments)
+            shared.add("host_hits")
+            shared.add("host_hit_bytes", size)
+            return LoadStatus.LOADED
+
+        if ready is None and all(s.device.type == "cpu" for s in segments):
+            try:
+                status = copy()
+            except Exception as e:  # never into the serving loop: read the disk instead
+                log.warning("gdskv: a host-tier hit could not be copied into its page: %s", e)
+                return None
+            done: Future = Future()
+            done.set_result(status)
+            self._count(loads_posted=1, loads_loaded=1, bytes_loaded=nbytes, **hit)
+            return done
+        self._posted(loads_posted=1)
+        try:
+            fut = self._host_copies.submit(copy)
+        except RuntimeError:  # shut down (close() raced this load)
+            lent.release()
+            fut = Future()
+            fut.set_result(LoadStatus.MISSING)
+        return _counted(fut, lambda f: self._loaded(f, nbytes, hit))
+
+    def _fill(self, fut: Future, wanted: Any, rank: int, group: int, key: bytes, segments: list[Any]) -> None:
+        """Copy a page into the host tier once its transfer came back ``wanted`` (a save
+        PUBLISHED: the bytes just written; a load LOADED: the bytes just verified). Runs on the
+        transfer's thread before the caller sees the future done, so the page is still unchanged.
+        Never raises: a page not taken is only a later miss."""
+        host = self.host
+        if host is None or fut.cancelled() or fut.exception() is not None or fut.result() is not wanted:
+            return
+        try:
+            put = host.put((rank, group, key), segments)
+        except Exception as e:
+            log.warning("gdskv: a page was not copied into the host tier: %s", e)
+            return
+        if not put.taken:
+            return
+        size = payload_nbytes(segments) or 0
+        self._count(host_fills=1, host_fill_bytes=size, host_evictions=put.evicted, host_evicted_bytes=put.evicted_bytes)
+        shared = self.namespaces[rank].counters
+        shared.add("host_fills")
+        if put.evicted:
+            shared.add("host_evictions", put.evicted)
+            shared.add("host_evicted_bytes", put.evicted_bytes)
 
     @property
     def in_flight(self) -> int:
@@ -309,12 +410,12 @@ class KvService:
             self._inflight += 1
             self._add(n)
 
-    def _loaded(self, fut: Future, nbytes: int) -> None:
+    def _loaded(self, fut: Future, nbytes: int, hit: Optional[dict[str, int]] = None) -> None:
         status = None if fut.cancelled() or fut.exception() is not None else fut.result()
         with self._lock:
             self._inflight -= 1
             if status is LoadStatus.LOADED:
-                self._add({"loads_loaded": 1, "bytes_loaded": nbytes})
+                self._add({"loads_loaded": 1, "bytes_loaded": nbytes, **(hit or {})})
             else:
                 self._add({"loads_failed": 1})
 
@@ -368,6 +469,9 @@ class KvService:
             remote, self.remote = self.remote, None
             remote.close()
             self._dirty = True
+        if self._host_copies is not None:
+            self._host_copies.shutdown(wait=True)
+            self.host.clear()
         self.flush_stats(force=True)
 
     # -- engines that name blocks themselves (MAX) ------------------------------------------------

@@ -91,7 +91,9 @@ class Rig:
 
 @pytest.fixture
 def rig(store_path) -> Rig:
-    r = Rig(store_path)
+    # the disk path (host tier off): corrupt or gated chunks must show in loads; with a host tier
+    # the blocks this connector offloaded would be served from memory (tests/test_host_tier.py)
+    r = Rig(store_path, host_bytes=0)
     yield r
     r.conn.shutdown()
 
@@ -318,7 +320,7 @@ def test_transfers_are_asynchronous_and_publish_only_when_written(store_path):
     """Each call hands back a transfer; a connector publishes an offloaded block only once its
     bytes are written; a load is not complete (and its page untouched) until its copy landed."""
     eng = GatedEngine()
-    r = Rig(store_path, engine=eng)
+    r = Rig(store_path, engine=eng, host_bytes=0)  # loads from the gated disk, not from memory
     try:
         hashes = [h8(1), h8(2)]
         t = r.conn.offload({"full": [1, 2]}, {"full": hashes})

@@ -2,6 +2,7 @@
 leases, loads and saves, lineage, counters, inactive stores, close."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -116,7 +117,9 @@ def test_a_failed_lease_plans_again(cfg, monkeypatch):
 
 
 def test_load_round_trip_counts_and_a_corrupt_chunk_fails(cfg):
-    svc = KvService(cfg, spec())
+    # the disk path alone: with a host tier, the page saved here would be served from memory
+    # (tests/test_host_tier.py)
+    svc = KvService(dataclasses.replace(cfg, host_bytes=0), spec())
     keys = svc.keys(TOKENS)
     save_blocks(svc, keys, blocks=[0, 1])
     out = [torch.zeros(PAGE // 2, dtype=torch.uint8) for _ in range(2)]

@@ -145,7 +145,9 @@ def out(new=(), cached=None, scheduled=None, preempted=None):
 
 
 def sides(tmp_path):
-    cfg = GdsKvConfig(store_path=str(tmp_path / "store"))
+    # the disk path (host tier off): a block that vanishes from the store must fail its load; with a
+    # host tier this worker would serve the pages it saved from memory (tests/test_host_tier.py)
+    cfg = GdsKvConfig(store_path=str(tmp_path / "store"), host_bytes=0)
     spec = namespace_spec(vllm_config(), kv_cache_config(), cfg, 0)
     sched = SchedulerSide(KvService(cfg, spec, transfers=False))
     page = FullAttentionSpec().page_size_bytes

@@ -1,0 +1,296 @@
+"""The host-memory tier: a byte-budgeted LRU of verified page payloads in front of the disk.
+
+One ``HostTier`` per ``KvService`` (so per worker process), shared by all its requests. The service
+fills it with a page's bytes when a save of that page is published (write-through) and when a
+load of it from the disk verified (fill on load), and serves a later load of the same
+``(shard, layer group, block key)`` from it without touching the disk. The disk stays the source
+of truth: lookups ask the store, never the tier, and a restart loses nothing but warmth.
+
+What an entry may hold: only the exact payload of its key's chunk, as this process published it
+or read and verified it. Chunks are content-addressed and immutable (a key is a hash of the
+tokens, their parents and the salt, in a namespace that fingerprints the model and geometry), so
+an entry stays correct when the chunk is later evicted or quarantined on disk by another
+process; the tier does not need to hear about it (a lookup that no longer finds the chunk on disk
+simply never asks for it). An entry is served only into segments of exactly its size.
+
+Memory is pinned where CUDA is present (``torch.cuda.is_available()``; page-locked host memory
+makes host/device copies direct and asynchronous), plain host memory elsewhere. Buffers of evicted
+entries are reused for the entries that replace them when nobody still reads them.
+
+Called by ``gdskv.service.KvService`` (bring-up: ``tier_bytes``; ``load``/``save``: ``borrow``,
+``put``); ``gather``/``scatter`` are the copies between an entry and a page's segments.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HOST_BYTES = 4 << 30
+"""``host_bytes`` when the config leaves it unset, unless an eighth of the machine's memory is less
+(see ``tier_bytes``). 4 GiB per worker is what peers give a worker by default (vLLM's CPU swap
+space, LMCache's local CPU backend: 4-5 GB): the KV of ~32k tokens of an 8B model (bf16), enough
+to keep the hot system prompts and shared documents of a worker from the disk."""
+
+
+class TierConfigError(ValueError):
+    """``host_bytes`` cannot be served on this machine; the message names the setting."""
+
+
+def physical_memory() -> Optional[int]:
+    """Bytes of memory this machine has, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def tier_bytes(host_bytes: Optional[int]) -> int:
+    """The tier's budget for a config's ``host_bytes`` (0: no tier). Unset: ``DEFAULT_HOST_BYTES``
+    or an eighth of this machine's memory, whichever is less. A budget larger than the machine's
+    memory raises ``TierConfigError`` naming ``host_bytes``. Called once, at the service's bring-up."""
+    memory = physical_memory()
+    if host_bytes is None:
+        return DEFAULT_HOST_BYTES if memory is None else min(DEFAULT_HOST_BYTES, memory // 8)
+    if memory is not None and host_bytes > memory:
+        raise TierConfigError(f"gdskv config: host_bytes {host_bytes} is more than this machine's memory ({memory} bytes); "
+                              "lower it, or 0 for no host tier")
+    return host_bytes
+
+
+@dataclass(frozen=True)
+class Put:
+    """What a ``put`` did: whether it took the page (``taken``), and what it pushed out of the
+    tier to make room (``evicted`` pages of ``evicted_bytes``)."""
+
+    taken: bool = False
+    evicted: int = 0
+    evicted_bytes: int = 0
+
+
+class _Entry:
+    __slots__ = ("buf", "readers")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.readers = 0
+
+
+class HostTier:
+    """A thread-safe LRU of page payloads (flat ``uint8`` host tensors) under a byte budget.
+
+    ``capacity``: bytes of payload the tier holds at most (a page larger than that is never
+    held). ``pinned``: allocate page-locked memory (default: where CUDA is available; falls back
+    to plain memory, once logged, when pinning fails).
+    """
+
+    def __init__(self, capacity: int, pinned: Optional[bool] = None) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must not be negative, got {capacity}")
+        self.capacity = capacity
+        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._used = 0
+        self._spare: dict[int, list[torch.Tensor]] = {}
+        """Buffers of entries evicted while no reader held them, by size: reused by ``put``."""
+        self._lock = threading.Lock()
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        """Bytes of payload held (entries only; buffers still read after their eviction aside)."""
+        with self._lock:
+            return self._used
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    # -- reads ------------------------------------------------------------------------------------
+    def borrow(self, key: Hashable, nbytes: int) -> Optional["Borrowed"]:
+        """The payload of ``key`` when the tier holds one of exactly ``nbytes`` (it becomes the most
+        recent entry), else None. The buffer is the caller's until ``release()`` (or the end of a
+        ``with`` block): an eviction meanwhile never hands it to another entry."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.buf.numel() != nbytes:
+                return None
+            self._entries.move_to_end(key)
+            entry.readers += 1
+        return Borrowed(self, entry)
+
+    def _release(self, entry: "_Entry") -> None:
+        with self._lock:
+            entry.readers -= 1
+
+    # -- writes -----------------------------------------------------------------------------------
+    def put(self, key: Hashable, segments: Sequence[torch.Tensor]) -> Put:
+        """Hold a copy of a page's ``segments`` (host or device memory, read in order) as ``key``'s
+        payload, evicting least recently used entries to make room. The caller guarantees the
+        segments hold exactly ``key``'s verified payload and stay unchanged during the call. A key
+        already held is only made the most recent; a page larger than the budget is not held."""
+        nbytes = payload_nbytes(segments)
+        if nbytes is None:
+            raise ValueError("a page segment must be contiguous to be copied in place")
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return Put()
+            if nbytes > self.capacity or nbytes == 0:
+                return Put()
+            pages, freed = self._evict_until(self.capacity - nbytes)
+            self._used += nbytes  # reserved while the copy runs outside the lock
+            spare = self._spare.get(nbytes)
+            buf = spare.pop() if spare else None
+        try:
+            if buf is None:
+                buf = self._allocate(nbytes)
+            gather(segments, buf)
+        except BaseException:
+            with self._lock:
+                self._used -= nbytes
+            raise
+        with self._lock:
+            taken = key not in self._entries  # else another thread took it meanwhile: the same bytes
+            if taken:
+                self._entries[key] = _Entry(buf)
+            else:
+                self._used -= nbytes
+                self._entries.move_to_end(key)
+        return Put(taken, pages, freed)
+
+    def discard(self, key: Hashable) -> bool:
+        """Forget ``key``'s payload; whether it was held."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._used -= entry.buf.numel()
+            return entry is not None
+
+    def clear(self) -> None:
+        """Forget every entry and spare buffer (``KvService.close``)."""
+        with self._lock:
+            self._entries.clear()
+            self._spare.clear()
+            self._used = 0
+
+    def _evict_until(self, limit: int) -> tuple[int, int]:
+        """Drop least recent entries until ``used <= limit``; under the lock. The buffers nobody
+        reads are kept for this put to reuse (until the next eviction)."""
+        self._spare.clear()  # only what this put frees is worth keeping
+        pages = freed = 0
+        while self._used > limit and self._entries:
+            _, entry = self._entries.popitem(last=False)
+            n = entry.buf.numel()
+            self._used -= n
+            pages += 1
+            freed += n
+            if entry.readers == 0:
+                self._spare.setdefault(n, []).append(entry.buf)
+        return pages, freed
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if self.pinned:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as e:
+                log.warning("gdskv: host tier cannot pin memory (%s); using pageable host memory", e)
+                self.pinned = False
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class Borrowed:
+    """A payload lent out by ``HostTier.borrow``: ``buf``, until ``release()`` (idempotent)."""
+
+    def __init__(self, tier: HostTier, entry: _Entry) -> None:
+        self.buf = entry.buf
+        self._tier: Optional[HostTier] = tier
+        self._entry = entry
+
+    def release(self) -> None:
+        if self._tier is not None:
+            tier, self._tier = self._tier, None
+            tier._release(self._entry)
+
+    def __enter__(self) -> torch.Tensor:
+        return self.buf
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def payload_nbytes(segments: Sequence[torch.Tensor]) -> Optional[int]:
+    """Bytes of a page's segments, or None when one is not contiguous (it cannot be copied in
+    place: the tier neither takes nor serves it)."""
+    if not all(s.is_contiguous() for s in segments):
+        return None
+    return sum(s.numel() * s.element_size() for s in segments)
+
+
+def _flat(segment: torch.Tensor) -> torch.Tensor:
+    """A page segment as a flat byte view of its own memory (never a copy)."""
+    if not segment.is_contiguous():
+        raise ValueError("a page segment must be contiguous to be copied in place")
+    return segment.reshape(-1).view(torch.uint8)
+
+
+def gather(segments: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy ``segments`` one after another into the flat host buffer ``out``; returns once every
+    byte is there (device copies included). ``ValueError`` when the sizes do not add up."""
+    _move(out, segments, into_segments=False)
+
+
+def scatter(src: torch.Tensor, segments: Sequence[torch.Tensor]) -> None:
+    """Copy the flat host buffer ``src`` into ``segments`` one after another; returns once every
+    byte is there (device copies included). ``ValueError`` when the sizes do not add up."""
+    _move(src, segments, into_segments=True)
+
+
+def _move(buf: torch.Tensor, segments: Sequence[torch.Tensor], into_segments: bool) -> None:
+    sizes = [s.numel() * s.element_size() for s in segments]
+    if not all(s.is_contiguous() for s in segments):
+        raise ValueError("a page segment must be contiguous to be copied in place")
+    if sum(sizes) != buf.numel():
+        raise ValueError(f"page segments of {sum(sizes)} bytes for a buffer of {buf.numel()}")
+    if all(s.device.type == "cpu" for s in segments):
+        # one memcpy per segment, GIL released, no tensor made: torch's copy_ would split it over
+        # its intra-op threads (100x slower on a busy host) and each slice costs microseconds
+        off = buf.data_ptr()
+        for s, n in zip(segments, sizes):
+            if into_segments:
+                ctypes.memmove(s.data_ptr(), off, n)
+            else:
+                ctypes.memmove(off, s.data_ptr(), n)
+            off += n
+        return
+    off = 0
+    parts = [_flat(s) for s in segments]
+    for p in parts:
+        piece = buf[off:off + p.numel()]
+        if into_segments:
+            p.copy_(piece, non_blocking=p.is_cuda)
+        else:
+            piece.copy_(p, non_blocking=p.is_cuda)
+        off += p.numel()
+    _wait_for_devices(parts)
+
+
+def _wait_for_devices(parts: Sequence[Any]) -> None:
+    """Block (sleeping on an event, not spinning) until the copies queued on this thread's current
+    stream of each device involved have finished."""
+    for device in {p.device for p in parts if p.is_cuda}:
+        event = torch.cuda.Event(blocking=True)
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()

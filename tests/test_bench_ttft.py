@@ -1,0 +1,42 @@
+"""``scripts/bench_ttft.py`` at a toy size, in a subprocess: every section runs end to end (served
+runs must match the computed run bit for bit, or the script fails), the report has its tables, the
+JSON its figures, and a bad argument is one line with exit code 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "bench_ttft.py"
+TOY = ["--lengths", "64", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
+       "--decode", "4", "--decode-prompt", "40", "--decode-batch", "2", "--page-sizes", "64K", "--load-bytes", "1M",
+       "--rounds", "1"]
+
+
+@pytest.mark.slow
+def test_a_toy_run_reports_every_section(tmp_path):
+    out = tmp_path / "figures.json"
+    run = subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--json", str(out), *TOY],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for heading in ("TTFT (s)", "decode step (ms", "page loads through KvService"):
+        assert heading in run.stdout
+    figures = json.loads(out.read_text())
+    [ttft] = figures["ttft"]
+    assert ttft["tokens"] == 64 and ttft["host_hits_so_far"] > 0
+    assert all(ttft[k] > 0 for k in ("computed", "served cold", "served warm", "served cold+fill", "served hot"))
+    without, paced, flat_out = figures["decode"]
+    assert without["saves"] == "none" and without["ratio"] == 1.0 and without["steps"] >= 2
+    assert paced["steps"] >= 2 and flat_out["steps"] >= 2 and flat_out["saved_mb_per_s"] > 0
+    [loads] = figures["loads"]
+    assert loads["pages"] == 16 and loads["hot_gbps"] > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("gdskv-bench-ttft-")], "work directory left behind"
+
+
+def test_a_bad_length_is_one_line():
+    run = subprocess.run([sys.executable, str(SCRIPT), "--lengths", "lots"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and "--lengths" in run.stderr

@@ -1,0 +1,327 @@
+"""The host-memory tier (gdskv.hosttier) alone, and in KvService's loads and saves on real store
+files: hits after a save and after a load, LRU eviction by bytes, ``host_bytes = 0`` off,
+wrong-size and corrupt pages never served, readiness respected, counters (the service's and the
+store's), several threads at once, and the reference engine giving identical output from hits."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdskv.config import ConfigError, GdsKvConfig
+from gdskv.hosttier import DEFAULT_HOST_BYTES, HostTier, gather, payload_nbytes, physical_memory, scatter, tier_bytes
+from gdskv.service import KvService, ServiceSetupError
+from gdskv.store import GroupSpec, NamespaceSpec
+from gdskv.transfer import LoadStatus, SaveStatus
+
+TPB = 4
+PAGE = 256
+TOKENS = list(range(200, 233))  # 33 tokens: 8 full blocks
+
+
+def spec(groups: int = 1) -> NamespaceSpec:
+    return NamespaceSpec(model="host-tier-test", dtype="bfloat16", tokens_per_block=TPB,
+                         groups=tuple(GroupSpec(g, PAGE, (g,)) for g in range(groups)))
+
+
+def page(seed: int) -> list[torch.Tensor]:
+    """A page as two segments (K and V regions)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (PAGE // 2,), dtype=torch.uint8, generator=g) for _ in range(2)]
+
+
+def empty() -> list[torch.Tensor]:
+    return [torch.zeros(PAGE // 2, dtype=torch.uint8) for _ in range(2)]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def cfg_at(tmp_path: Path, **over) -> GdsKvConfig:
+    return GdsKvConfig(store_path=str(tmp_path / "store"), stats_flush_seconds=60.0, **over)
+
+
+def save_all(svc: KvService, keys: list[bytes]) -> None:
+    futs = [svc.save(0, k, keys[i - 1] if i else None, page(i)) for i, k in enumerate(keys)]
+    assert [f.result() for f in futs] == [SaveStatus.PUBLISHED] * len(keys)
+
+
+def run_threads(target, n: int) -> None:
+    threads = [threading.Thread(target=target, args=(t,)) for t in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def saved_elsewhere(tmp_path: Path, n: int) -> list[bytes]:
+    """Keys of the first ``n`` blocks of ``TOKENS``, saved by another service (no host tier)."""
+    writer = KvService(cfg_at(tmp_path, host_bytes=0), spec())
+    keys = writer.keys(TOKENS)
+    save_all(writer, keys[:n])
+    writer.close()
+    return keys
+
+
+# --- the data structure ------------------------------------------------------------------------
+
+def b(n: int, fill: int) -> list[torch.Tensor]:
+    return [torch.full((n,), fill, dtype=torch.uint8)]
+
+
+def test_lru_evicts_least_recent_pages_by_bytes():
+    tier = HostTier(250, pinned=False)
+    assert tier.put("a", b(100, 1)).taken and tier.put("b", b(100, 2)).taken
+    with tier.borrow("a", 100) as buf:  # a is now the most recent
+        assert int(buf[0]) == 1
+    put = tier.put("c", b(100, 3))
+    assert (put.taken, put.evicted, put.evicted_bytes) == (True, 1, 100)
+    assert "b" not in tier and "a" in tier and "c" in tier and tier.used == 200
+    assert not tier.put("a", b(100, 9)).taken  # held already: the same bytes, nothing copied
+    with tier.borrow("a", 100) as buf:
+        assert int(buf[0]) == 1
+    put = tier.put("big", b(200, 4))  # needs both remaining pages' room
+    assert (put.taken, put.evicted, len(tier), tier.used) == (True, 2, 1, 200)
+    assert not tier.put("huge", b(251, 5)).taken and tier.used == 200  # larger than the budget
+    assert tier.borrow("big", 199) is None  # only an entry of exactly the asked size is served
+    assert tier.discard("big") and tier.used == 0 and not tier.discard("big")
+
+
+def test_a_borrowed_buffer_is_never_reused_by_an_eviction():
+    tier = HostTier(100, pinned=False)
+    tier.put("a", b(100, 1))
+    lent = tier.borrow("a", 100)
+    tier.put("b", b(100, 2))  # evicts a while it is lent
+    assert "a" not in tier and int(lent.buf.min()) == 1 == int(lent.buf.max())
+    tier.put("c", b(100, 3))  # evicts b, whose buffer nobody holds: reused for c
+    assert int(lent.buf.min()) == 1 == int(lent.buf.max())
+    lent.release()
+    lent.release()  # idempotent
+    with tier.borrow("c", 100) as buf:
+        assert int(buf.min()) == 3 == int(buf.max())
+
+
+def test_copy_helpers_check_sizes_and_round_trip():
+    segs = page(7)
+    buf = torch.empty(PAGE, dtype=torch.uint8)
+    gather(segs, buf)
+    out = empty()
+    scatter(buf, out)
+    assert same(out, segs)
+    with pytest.raises(ValueError):
+        scatter(buf[:-1], out)
+    with pytest.raises(ValueError):
+        gather(segs, torch.empty(PAGE + 1, dtype=torch.uint8))
+    strided = torch.zeros(2 * PAGE, dtype=torch.uint8)[::2]
+    assert payload_nbytes(segs) == PAGE and payload_nbytes([strided]) is None
+
+
+def test_the_tier_stays_consistent_under_many_threads():
+    tier = HostTier(8 * PAGE, pinned=False)
+    errors: list[str] = []
+
+    def worker(t: int) -> None:
+        for i in range(300):
+            k = (i * 7 + t) % 24
+            if i % 3:
+                tier.put(k, b(PAGE, k))
+            lent = tier.borrow(k, PAGE)
+            if lent is not None:
+                with lent as buf:
+                    if int(buf.min()) != k or int(buf.max()) != k:
+                        errors.append(f"key {k} held bytes {int(buf.min())}..{int(buf.max())}")
+
+    run_threads(worker, 6)
+    assert not errors
+    assert tier.used == PAGE * len(tier) <= 8 * PAGE
+
+
+def test_host_bytes_is_validated_naming_the_setting(tmp_path):
+    assert GdsKvConfig(host_bytes="64M").host_bytes == 64 << 20 and GdsKvConfig(host_bytes=0).host_bytes == 0
+    for bad in ("lots", -1, 1.5, True):
+        with pytest.raises(ConfigError, match="host_bytes"):
+            GdsKvConfig(host_bytes=bad)
+    memory = physical_memory()
+    assert tier_bytes(None) == (DEFAULT_HOST_BYTES if memory is None else min(DEFAULT_HOST_BYTES, memory // 8))
+    if memory is not None:
+        with pytest.raises(ServiceSetupError, match="host_bytes"):
+            KvService(cfg_at(tmp_path, host_bytes=memory + 1), spec())
+
+
+# --- in the service, on real store files ---------------------------------------------------------
+
+def test_a_saved_page_is_served_from_host_memory(tmp_path):
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:2])
+    out = empty()
+    assert svc.load(0, keys[1], out).result() is LoadStatus.LOADED and same(out, page(1))
+    c, disk = svc.snapshot(), svc.namespace.counters.snapshot()
+    assert (c["host_hits"], c["host_hit_bytes"], c["host_fills"], c["loads_loaded"], c["bytes_loaded"]) == (1, PAGE, 2, 1, PAGE)
+    assert disk.get("loads_hit", 0) == 0 and disk["host_hits"] == 1  # the disk was not read
+    svc.close()
+
+
+def test_a_page_loaded_from_disk_is_served_from_memory_next_time(tmp_path):
+    keys = saved_elsewhere(tmp_path, 1)
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    out = empty()
+    assert svc.load(0, keys[0], out).result() is LoadStatus.LOADED and same(out, page(0))
+    assert (svc.snapshot()["host_misses"], svc.snapshot()["host_fills"]) == (1, 1)
+    out = empty()
+    assert svc.load(0, keys[0], out).result() is LoadStatus.LOADED and same(out, page(0))
+    c = svc.snapshot()
+    assert (c["host_hits"], c["host_misses"]) == (1, 1)
+    assert svc.namespace.counters["loads_hit"] == 1  # one disk read for two loads
+    svc.close()
+
+
+def test_host_bytes_zero_turns_the_tier_off(tmp_path):
+    svc = KvService(cfg_at(tmp_path, host_bytes=0), spec())
+    assert svc.host is None
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:1])
+    for _ in range(2):
+        assert svc.load(0, keys[0], empty()).result() is LoadStatus.LOADED
+    c = svc.snapshot()
+    assert all(v == 0 for k, v in c.items() if k.startswith("host_"))
+    assert svc.namespace.counters["loads_hit"] == 2
+    svc.close()
+
+
+def test_the_tier_is_bounded_by_bytes_and_counts_its_evictions(tmp_path):
+    svc = KvService(cfg_at(tmp_path, host_bytes=3 * PAGE), spec())
+    keys = svc.keys(TOKENS)
+    for i in range(5):  # one at a time, so the LRU order is the saves' order; the last three stay
+        assert svc.save(0, keys[i], keys[i - 1] if i else None, page(i)).result() is SaveStatus.PUBLISHED
+    assert svc.host.used == 3 * PAGE and len(svc.host) == 3
+    c = svc.snapshot()
+    assert (c["host_fills"], c["host_evictions"], c["host_evicted_bytes"]) == (5, 2, 2 * PAGE)
+    out = empty()
+    assert svc.load(0, keys[0], out).result() is LoadStatus.LOADED and same(out, page(0))  # from disk
+    assert svc.load(0, keys[4], empty()).result() is LoadStatus.LOADED  # from memory
+    c = svc.snapshot()
+    assert (c["host_hits"], c["host_misses"], c["host_evictions"]) == (1, 1, 3)
+    svc.flush_stats(force=True)
+    [stats_file] = (Path(svc.cfg.store_path) / ".gdskv" / "stats").glob("*.json")
+    shared = json.loads(stats_file.read_text())["namespaces"][svc.namespace.id]
+    assert (shared["host_hits"], shared["host_misses"], shared["host_hit_bytes"]) == (1, 1, PAGE)
+    assert (shared["host_fills"], shared["host_evictions"], shared["host_evicted_bytes"]) == (6, 3, 3 * PAGE)
+    svc.close()
+
+
+def test_a_corrupt_chunk_never_enters_the_tier_and_a_wrong_size_is_never_served(tmp_path):
+    keys = saved_elsewhere(tmp_path, 2)
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    path = Path(svc.namespace.chunk_path(0, keys[0]))
+    raw = bytearray(path.read_bytes())
+    raw[3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    assert svc.load(0, keys[0], empty()).result() is LoadStatus.CORRUPT
+    assert svc.load(0, keys[0], empty()).result() is LoadStatus.MISSING  # quarantined, not in memory
+    assert svc.snapshot()["host_fills"] == 0 and len(svc.host) == 0
+    # a page of another size is never served from memory, though the tier holds the key
+    assert svc.load(0, keys[1], empty()).result() is LoadStatus.LOADED and len(svc.host) == 1
+    short = [torch.zeros(PAGE // 2, dtype=torch.uint8), torch.zeros(PAGE // 2 - 8, dtype=torch.uint8)]
+    assert svc.load(0, keys[1], short).result() is not LoadStatus.LOADED
+    assert svc.snapshot()["host_hits"] == 0
+    svc.close()
+
+
+def test_a_chunk_gone_bad_on_disk_after_it_was_verified_is_served_from_memory_until_restart(tmp_path):
+    """Chunks are content-addressed and immutable: the verified copy in memory stays this key's
+    KV when another process evicts or quarantines the file. A restart reads the disk again."""
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:1])
+    path = Path(svc.namespace.chunk_path(0, keys[0]))
+    raw = bytearray(path.read_bytes())
+    raw[3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    out = empty()
+    assert svc.load(0, keys[0], out).result() is LoadStatus.LOADED and same(out, page(0))
+    svc.close()
+    restarted = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    assert restarted.load(0, keys[0], empty()).result() is LoadStatus.CORRUPT
+    restarted.close()
+
+
+class Gate:
+    """A readiness a test releases: what a CUDA event recorded on the engine's stream stands for."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.waited = threading.Event()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        assert self.event.wait(10)
+
+
+def test_a_hit_writes_the_page_only_after_its_readiness(tmp_path):
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:1])
+    gate, out = Gate(), empty()
+    fut = svc.load(0, keys[0], out, ready=gate)
+    assert gate.waited.wait(10)  # waited on a copy thread: the caller was not blocked
+    assert not fut.done() and all(int(s.count_nonzero()) == 0 for s in out)
+    gate.event.set()
+    assert fut.result() is LoadStatus.LOADED and same(out, page(0)) and svc.snapshot()["host_hits"] == 1
+    svc.close()
+
+
+def test_loads_and_saves_from_many_threads_serve_only_their_own_bytes(tmp_path):
+    svc = KvService(cfg_at(tmp_path, host_bytes=5 * PAGE), spec())
+    keys = svc.keys(list(range(1000, 1000 + 24 * TPB + 1)))
+    save_all(svc, keys[:12])
+    errors: list[str] = []
+
+    def worker(t: int) -> None:
+        for i in range(40):
+            k = (i * 5 + t) % 24
+            if k >= 12:
+                st = svc.save(0, keys[k], keys[k - 1], page(k)).result()
+                if st not in (SaveStatus.PUBLISHED, SaveStatus.EXISTS):
+                    errors.append(f"save {k}: {st}")
+                continue
+            out = empty()
+            st = svc.load(0, keys[k], out).result()
+            if st is not LoadStatus.LOADED or not same(out, page(k)):
+                errors.append(f"load {k}: {st}")
+
+    run_threads(worker, 4)
+    assert not errors
+    c = svc.snapshot()
+    assert c["host_hits"] > 0 and c["host_evictions"] > 0 and svc.host.used <= 5 * PAGE and svc.in_flight == 0
+    svc.close()
+
+
+def test_the_reference_engine_gives_identical_output_from_host_tier_hits(tmp_path):
+    from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
+    from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine
+
+    model = ModelConfig(num_layers=2, seed=3)
+    engine_cfg = EngineConfig(tokens_per_block=TPB, chunk_size=8, capture_pages=True)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.vocab_size, (22,), generator=g).tolist() for _ in range(2)]
+    [alone] = [ReferenceEngine(model, engine_cfg).generate(prompts, 4)]
+    cfg = cfg_at(tmp_path, host_bytes="4M")
+    name = model.fingerprint()
+    worker = GdsKvWorker(StandaloneLlmArgs.build(name, TPB), config=cfg)
+    engine = ReferenceEngine(model, engine_cfg, GdsKvScheduler(StandaloneLlmArgs.build(name, TPB), config=cfg), [worker])
+    first = engine.generate(prompts, 4)  # computes, saves: write-through into the tier
+    second = engine.generate(prompts, 4)  # the same worker: its prefix comes from memory
+    c, disk = worker.service.snapshot(), worker.service.namespace.counters.snapshot()
+    worker.close()
+    assert [r.prefill_tokens_loaded for r in second] == [20, 20]
+    assert c["host_hits"] == c["loads_loaded"] > 0 and c["host_misses"] == 0 and disk.get("loads_hit", 0) == 0
+    for a, b1, b2 in zip(alone, first, second):
+        assert a.tokens == b1.tokens == b2.tokens
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b2.logits))
+        served = {k: v for k, v in a.kv_pages.items() if k[2] < 20 // TPB}  # the restored blocks, bit for bit
+        assert served and all(b2.kv_pages[k] == v for k, v in served.items())
