@@ -1,11 +1,12 @@
 """Helpers shared by the ``gdskv`` commands: opening the store, parsing sizes and durations, output.
 
-Exit codes (every command): 0 ok, 1 problems found, 2 usage (bad option, or a path that is not a
+Exit codes (every command): 0 ok, 1 something failed, 2 unusable input (bad option, or a path that is not a
 gdskv store). ``UsageProblem`` carries the 2.
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -112,3 +113,28 @@ def human_age(mtime_ns: int, now_ns: Optional[int] = None) -> str:
 
 def print_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True))
+
+
+class OneLineErrors(click.Group):
+    """The ``gdskv`` group: an error no command turned into a ``click`` error (an ``OSError`` from
+    the store, a bug) is still one line on stderr and exit 1, never a traceback; ``-vv`` logs
+    the traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt, EOFError):
+            raise
+        except Exception as e:
+            logging.getLogger("gdskv.cli").debug("gdskv %s failed", ctx.invoked_subcommand, exc_info=True)
+            raise click.ClickException(f"{ctx.invoked_subcommand or 'gdskv'}: {one_line(e)}") from None
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its message with whitespace collapsed, or its type's name; an
+    ``OSError`` as ``strerror: path``."""
+    if isinstance(e, OSError) and e.strerror:
+        text = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    else:
+        text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {text}"

@@ -10,15 +10,18 @@ not be read), 2 usage.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from gdskv.cli._common import UsageProblem, human_bytes, open_existing, parse_duration, parse_size_or_percent, print_json
+from gdskv.cli.output import console as make_console
+from gdskv.cli.progress import Work, status_every
 from gdskv.eviction import Limits, disk_usage, namespace_ids_matching, remove_chunks, scan_store, select_victims, shortfall
 from gdskv.store import PageStore
 
@@ -32,6 +35,32 @@ def selected_ids(store: PageStore, wanted: Optional[str]) -> Optional[list[str]]
         have = [ns.id for ns in store.namespaces()] + [i for i, _ in store.damaged_namespaces()]
         raise UsageProblem(f"no namespace matches {wanted!r} (have: {', '.join(have) or 'none'})")
     return ids
+
+
+class _Failures(logging.Handler):
+    """Collects the reasons removals failed (the ``OSError`` each warning of
+    ``gdskv.eviction.removal`` carries), instead of a warning line per chunk."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reasons: Counter[str] = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        e = record.args[-1] if isinstance(record.args, tuple) and record.args else None
+        self.reasons[(e.strerror or str(e)) if isinstance(e, OSError) else record.getMessage()] += 1
+
+
+@contextmanager
+def _failures_collected() -> Iterator[_Failures]:
+    logger = logging.getLogger("gdskv.eviction.removal")
+    handler, propagate = _Failures(), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 @click.command()
@@ -74,17 +103,23 @@ def _evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[st
                            "victims": int(rows.size), "victim_bytes": victim_bytes, "per_namespace": dict(per_ns)}
     freed = victim_bytes
     if not dry_run:
-        done = remove_chunks(store, table, rows)
+        def tried(_path: str) -> bool:  # called once per chunk it comes to: the progress
+            work.advance()
+            return False
+
+        with _failures_collected() as failures, Work("evict", int(rows.size), "chunks", status_every(ctx), bar=not as_json) as work:
+            done = remove_chunks(store, table, rows, is_pinned=tried)
         store.flush_stats()
         freed = done.freed_bytes
         rep |= {"removed": done.removed, "removed_bytes": done.removed_bytes, "already_gone": done.already_gone, "failed": done.failed,
-                "kept_pinned": done.skipped_pinned, "kept_leased": done.skipped_leased}
+                "kept_pinned": done.skipped_pinned, "kept_leased": done.skipped_leased,
+                "failure_reasons": dict(failures.reasons)}
     rep["bytes_after"] = before - freed
     rep["within_budget"] = limit is None or rep["bytes_after"] <= limit
     if as_json:
         print_json(rep)
     else:
-        console = Console()
+        console = make_console()
         if dry_run and rows.size:
             t = Table(title=f"would remove (first {min(20, rows.size)} of {rows.size}, in order)")
             for col in ("namespace", "group", "path", "size"):
@@ -97,7 +132,8 @@ def _evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[st
             head = f"would remove {rows.size} of {len(table)} chunks ({human_bytes(victim_bytes)} of {human_bytes(before)})"
         else:
             head = f"removed {rep['removed']} of {len(table)} chunks ({human_bytes(rep['removed_bytes'])} of {human_bytes(before)})"
-            notes = [f"{n} {what}" for n, what in ((rep["failed"], "failed"), (rep["already_gone"], "already gone"),
+            why = "; ".join(f"{reason}" + (f" ({n})" if len(failures.reasons) > 1 else "") for reason, n in failures.reasons.most_common(3))
+            notes = [f"{n} {what}" for n, what in ((rep["failed"], "failed" + (f": {why}" if why else "")), (rep["already_gone"], "already gone"),
                                                    (rep["kept_leased"], "kept (leased meanwhile)"), (rep["kept_pinned"], "kept (pinned)")) if n]
             if notes:
                 head += f" of {rows.size} chosen; " + ", ".join(notes)

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import asdict
 
 import click
-from rich.console import Console
 
 from gdskv.cli._common import human_bytes, open_existing, parse_duration, print_json
+from gdskv.cli.output import console as make_console
 from gdskv.garbage import Collected, collect, find_garbage
 
 
@@ -37,7 +37,7 @@ def gc(ctx: click.Context, grace: str, min_age: str, dry_run: bool, as_json: boo
     if as_json:
         print_json(rep)
         return
-    console = Console()
+    console = make_console()
     if dry_run:
         for p in rep["temp_files"] + rep["empty_dirs"]:
             console.print(f"would remove {p}")

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from gdskv.cli._common import human_bytes, open_existing, print_json
+from gdskv.cli.output import console as make_console
 from gdskv.eviction import Limits, disk_usage, scan_store
 from gdskv.io import make_engine
 from gdskv.io.capabilities import cuda_driver_present, kvikio_available
@@ -76,7 +76,7 @@ def info(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         print_json(rep)
         return
-    console = Console()
+    console = make_console()
     e = rep["engine"]
     console.print(f"[bold]store[/]   {rep['store']}  (format v{rep['format_version']})")
     console.print(f"[bold]engine[/]  {e['describe']}  (config: {e['configured']}; kvikio {'installed' if e['kvikio_installed'] else 'not installed'}; "

@@ -15,7 +15,8 @@ no policy of its own. The service owns:
 - **lineage**: block keys chained on their parents (``keys``), the parent recorded with each save;
   for an engine that names blocks itself, links learnt from the runs it shows (``lineage``);
 - **counters**: this process's outcomes (``counters``), and the store's per-process counter files
-  that ``gdskv stats`` sums (``flush_stats``);
+  that ``gdskv stats`` sums (``flush_stats``); with ``metrics_port`` set, the process's Prometheus
+  endpoint and the latency of its lookups, loads and saves (``gdskv.metrics``);
 - **close**.
 
 A service built with ``transfers=False`` only looks up (a scheduler process that never touches
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -40,6 +42,7 @@ from gdskv.eviction import install_budget
 from gdskv.garbage import collect_in_background
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
+from gdskv.metrics import ServiceMetrics, attach, engine_of
 from gdskv.planner import Lookup, Salt, contiguous_hits, lookup_needs, plan_lookup, plan_lookup_window_aware
 from gdskv.store import Namespace, NamespaceSpec, PageStore, StoreError
 from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
@@ -115,6 +118,10 @@ class KvService:
         self.engine: Optional[IoEngine] = None
         self._owns_engine = engine is None
         self.lineage = Lineage()
+        self.metrics: Optional[ServiceMetrics] = None
+        """This process's metrics (``metrics_port`` set), labelled with the engine whose
+        connector made the service (``gdskv.metrics.engine_of`` its module)."""
+        engine_label = engine_of(sys._getframe(1).f_globals.get("__name__"))
         auth_key = cfg.auth_key() if transfers else None  # ConfigError (naming the setting) at bring-up
         try:
             self.store = PageStore.from_config(cfg)
@@ -134,6 +141,7 @@ class KvService:
                 self.transfers[r] = PageTransfer(self.namespaces[r], self.engine, threads=cfg.io_threads,
                                                  stats_flush_seconds=cfg.stats_flush_seconds, auth_key=auth_key)
             self.transfer = self.transfers.get(spec.tp_rank)
+        self.metrics = attach(self, engine_label)
         log.info("gdskv: service for %r shard %d/%d on namespace %s in %s%s", spec.model, spec.tp_rank, spec.tp_size,
                  self.namespace.id, cfg.store_path,
                  f" (I/O: {self.engine.describe()})" if self.engine is not None else " (lookups only)")
@@ -184,6 +192,7 @@ class KvService:
         served chunk of every group and shard leased. Planned again, once, when a lease fails.
         ``window_aware``: ``plan_lookup_window_aware`` (a sliding group needs, and leases, only
         the blocks inside its window before the served length)."""
+        t0 = time.perf_counter()
         for attempt in (0, 1):
             if window_aware:
                 found = plan_lookup_window_aware(tokens, cache_salt, self.tokens_per_block, num_computed_tokens,
@@ -205,6 +214,8 @@ class KvService:
             shared.add("lookup_tokens", len(tokens))
             shared.add("lookup_matched_tokens", found.num_new_tokens)
             self._dirty = True
+            if self.metrics is not None:
+                self.metrics.observe("lookup", self.namespace, time.perf_counter() - t0)
         return found
 
     def lookup_keys(self, keys: Sequence[bytes], first_block: int = 0) -> int:
@@ -257,10 +268,11 @@ class KvService:
         transfer = self.transfers.get(self.spec.tp_rank if shard is None else shard)
         if transfer is None:
             return None
+        t0 = time.perf_counter()
         fut = transfer.load_page(group, key, segments, ready=ready)
         nbytes = self.bytes_per_page(group)
         self._posted(loads_posted=1)
-        return _counted(fut, lambda f: self._loaded(f, nbytes))
+        return _counted(fut, lambda f: self._loaded(f, nbytes, t0, transfer.ns))
 
     def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
              ready: Optional[Any] = None, shard: Optional[int] = None) -> Optional["Future[SaveStatus]"]:
@@ -271,10 +283,11 @@ class KvService:
         transfer = self.transfers.get(self.spec.tp_rank if shard is None else shard)
         if transfer is None:
             return None
+        t0 = time.perf_counter()
         fut = transfer.save_page(group, key, parent, segments, ready=ready)
         nbytes = self.bytes_per_page(group)
         self._posted(saves_posted=1)
-        return _counted(fut, lambda f: self._saved(f, nbytes))
+        return _counted(fut, lambda f: self._saved(f, nbytes, t0, transfer.ns))
 
     @property
     def in_flight(self) -> int:
@@ -287,8 +300,10 @@ class KvService:
             self._inflight += 1
             self._add(n)
 
-    def _loaded(self, fut: Future, nbytes: int) -> None:
+    def _loaded(self, fut: Future, nbytes: int, t0: float, ns: Namespace) -> None:
         status = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        if self.metrics is not None:
+            self.metrics.observe("load", ns, time.perf_counter() - t0)
         with self._lock:
             self._inflight -= 1
             if status is LoadStatus.LOADED:
@@ -296,8 +311,10 @@ class KvService:
             else:
                 self._add({"loads_failed": 1})
 
-    def _saved(self, fut: Future, nbytes: int) -> None:
+    def _saved(self, fut: Future, nbytes: int, t0: float, ns: Namespace) -> None:
         status = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        if self.metrics is not None:
+            self.metrics.observe("save", ns, time.perf_counter() - t0)
         with self._lock:
             self._inflight -= 1
             if status is SaveStatus.PUBLISHED:
