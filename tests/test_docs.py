@@ -11,7 +11,9 @@ Lines of fenced ``sh``/``bash`` blocks are run or checked by what they start wit
   ``trtllm-serve``, vLLM's ``api_server``, ``python -m pytest -m max``) are checked by parsing:
   the pins are the ones the tests install, the extras and markers exist, the config files and
   connector classes they name exist, their JSON parses;
-- ``export GDSKV_...``: a variable gdskv reads.
+- ``export GDSKV_...``: a variable gdskv reads; ``gdskv ... > FILE && mv FILE ...`` (cron): the
+  command runs and its output is checked (``--prometheus``: parsed by prometheus_client), the
+  ``mv`` parsed.
 
 A line no rule knows fails the test (add a rule rather than let it go unchecked). Every
 backticked ``gdskv <command> [options]`` in the prose (the table of docs/cli.md) is checked
@@ -85,10 +87,14 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (d / "prompts").mkdir()
     (d / "prompts" / "a.txt").write_text("The store keeps every block it has seen.\n\nA second short prompt, written too.\n")
     (d / "prompts" / "b.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hello there, store"}]}) + "\n")
+    res = CliRunner().invoke(main, ["--store", str(d / "store"), "prewarm", str(d / "prompts")])  # any line may run first
+    assert res.exit_code == 0, res.output
     return d
 
 
 def _gdskv(workspace: Path, args: list[str]) -> None:
+    redirected = ">" in args  # `gdskv stats --prometheus > FILE`: the output is checked, not written there
+    args = args[:args.index(">")] if redirected else args
     if args[:1] == ["demo"]:  # the end-to-end run is tests/test_demo.py
         res = CliRunner().invoke(main, ["demo", "--help"])
         assert res.exit_code == 0, res.output
@@ -100,6 +106,10 @@ def _gdskv(workspace: Path, args: list[str]) -> None:
     finally:
         os.chdir(cwd)
     assert res.exit_code == 0, (args, res.output)
+    if "--prometheus" in args:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        assert any(f.name == "gdskv_lookups" for f in text_string_to_metric_families(res.stdout)), res.stdout
 
 
 def _pip_install(args: list[str]) -> None:
@@ -187,6 +197,8 @@ def check_line(line: str, workspace: Path) -> str:
             _trtllm_serve(args)
         elif args[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]:
             _vllm_server(args)
+        elif args[0] == "mv":  # the rename after a redirected gdskv line
+            assert len(args) == 3 and ">" in line and args[1] in line.split("&&")[0], line
         elif args[0] == "export":
             _export(args)
         else:
