@@ -306,3 +306,44 @@ def test_top_level_config_keys_without_a_gdskv_table_are_used_not_ignored(tmp_pa
     f.write_text('io_threads = 3\n[gdskv]\nengine = "posix"\n')
     with pytest.raises(ConfigError, match="'io_threads' stands at the top level"):
         load_config(str(f))
+
+
+# --- every command ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["info", "ls", "stats", "verify", "evict", "gc", "prewarm", "bench", "demo"])
+def test_every_command_takes_json_and_lists_it_in_its_help(command: str) -> None:
+    res = CliRunner().invoke(main, [command, "--help"])
+    assert res.exit_code == 0 and "--json" in res.output, res.output
+
+
+def test_an_unexpected_error_is_one_line_and_exit_1_not_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a command did not turn into a usage error (here a bug, simulated) is still one
+    line on stderr, exit 1."""
+    from gdskv.cli import info as info_mod
+
+    def broken(_ctx: Any) -> Any:
+        raise RuntimeError("something\nbroke")
+
+    fill(tmp_path / "store")
+    monkeypatch.setattr(info_mod, "gather", broken)
+    res = cli(tmp_path / "store", "info")
+    one_line_error(res, 1, "info: RuntimeError: something broke")
+
+
+def test_bench_plot_without_matplotlib_is_one_line_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError, installed or not
+    res = CliRunner().invoke(main, ["bench", "--plot", "out.png", "--total", "1M"])
+    one_line_error(res, 2, "--plot needs matplotlib", "gdskv[plot]")
+
+
+def test_progress_off_a_terminal_is_a_periodic_status_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+
+    from gdskv.cli.progress import Work
+
+    with Work("verify", 10, "chunks", every=0.05, detail=lambda: "group 0") as work:
+        for _ in range(4):
+            work.advance()
+            time.sleep(0.06)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 2, lines
+    assert re.fullmatch(r"verify: \d+/10 chunks \(\d+%\), [\d.]+ chunks/s, \dm\d\ds left, 0m00s so far; group 0", lines[-1]), lines
