@@ -15,6 +15,7 @@ from typing import Any, Optional
 import click
 
 from gdskv.cli._common import UsageProblem, config_of
+from gdskv.cli.output import console
 
 
 def plot(report: dict[str, Any], out: str) -> None:
@@ -48,6 +49,33 @@ def _store_dir(store_path: str) -> str:
     return str(p)
 
 
+def _progress_log(options: Any, as_json: bool) -> Any:
+    """The benchmark's log: each line on stderr as it comes (one per measurement: the periodic
+    status off a terminal); on a terminal, above a bar of measurements done of those planned."""
+    err = console(stderr=True)
+    if not err.is_terminal or as_json:
+        return lambda line: print(line, file=sys.stderr, flush=True)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    per_subject = len(options.page_sizes) * options.rounds
+    planned = per_subject * (3 * options.baselines + len(options.engines))
+    bar = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("measurements"), TimeRemainingColumn(),
+                   TimeElapsedColumn(), console=err, transient=True)
+    task = bar.add_task("bench", total=planned)
+    bar.start()
+
+    def log(line: str) -> None:
+        err.print(line, markup=False, highlight=False)
+        if " left out: " in line:
+            bar.update(task, total=bar.tasks[0].total - per_subject)
+        elif ", round " in line:
+            bar.advance(task)
+        if bar.finished:
+            bar.stop()
+
+    return log
+
+
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
                epilog="Other options (--total, --page-size, --rounds, --engines, --no-baselines, ...) go to the benchmark: "
                       "gdskv bench -- --help lists them.")
@@ -73,7 +101,7 @@ def bench(ctx: click.Context, plot_path: Optional[str], directory: Optional[str]
         options, as_json = store_bench.parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         ctx.exit(int(e.code or 0))
-    report = store_bench.run(options, log=lambda line: print(line, file=sys.stderr))
+    report = store_bench.run(options, log=_progress_log(options, as_json))
     click.echo(json.dumps(report, indent=2) if as_json else store_bench.format_report(report))
     if plot_path is not None:
         plot(report, plot_path)
