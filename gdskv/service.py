@@ -27,11 +27,13 @@ A store path that is not a gdskv store, and a bad chunk key, fail bring-up (``Se
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass
@@ -142,6 +144,7 @@ class KvService:
                                                  stats_flush_seconds=cfg.stats_flush_seconds, auth_key=auth_key)
             self.transfer = self.transfers.get(spec.tp_rank)
         self.metrics = attach(self, engine_label)
+        atexit.register(_flush_at_exit, weakref.ref(self))  # a process that ends without close() keeps its counts
         log.info("gdskv: service for %r shard %d/%d on namespace %s in %s%s", spec.model, spec.tp_rank, spec.tp_size,
                  self.namespace.id, cfg.store_path,
                  f" (I/O: {self.engine.describe()})" if self.engine is not None else " (lookups only)")
@@ -405,6 +408,14 @@ class Lineage:
         """The parent last learnt for ``key``, or None."""
         with self._lock:
             return self._parent.get(key)
+
+
+def _flush_at_exit(ref: "weakref.ref[KvService]") -> None:
+    """At interpreter exit: write the counter file of a service still alive (never raises)."""
+    service = ref()
+    if service is not None:
+        with contextlib.suppress(Exception):
+            service.flush_stats(force=True)
 
 
 def _counted(fut: Future, count: Callable[[Future], None]) -> Future:

@@ -236,6 +236,23 @@ def test_stats_shows_lookups_after_a_short_run(tmp_path: Path) -> None:
     assert "lookups" in cli(tmp_path / "store", "stats").stdout
 
 
+def test_stats_shows_lookups_of_a_process_that_ends_without_closing_its_service(tmp_path: Path) -> None:
+    """A serving process whose last lookups came after its last flush (and that never reached
+    close(): a server stopped, a short script) still leaves them in the store's counters."""
+    script = ("import sys\n"
+              "from gdskv.config import GdsKvConfig\n"
+              "from gdskv.service import KvService\n"
+              "from gdskv.store import GroupSpec, NamespaceSpec\n"
+              "svc = KvService(GdsKvConfig(store_path=sys.argv[1]), NamespaceSpec('m', 'uint8', 4, (GroupSpec(0, 256, (0,)),)), transfers=False)\n"
+              "svc.lookup(list(range(64)), None)\n")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    res = cli(tmp_path / "store", "stats", "--json")
+    assert res.exit_code == 0, res.output
+    [counters] = json.loads(res.stdout)["namespaces"].values()
+    assert counters["lookups"] == 1 and counters["lookup_tokens"] == 64, counters
+
+
 # --- help and docs -----------------------------------------------------------------------------------
 def test_gdskv_max_help_without_max_is_one_line_not_a_traceback() -> None:
     import importlib.util
