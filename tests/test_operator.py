@@ -271,6 +271,8 @@ def test_bench_help_lists_json_and_the_store_directory_as_default() -> None:
     assert "--json" in res.output and "--dir" in res.output
     assert "directory that holds the store" in " ".join(res.output.split())
     assert "temp directory" not in res.output
+    inner = CliRunner().invoke(main, ["bench", "--", "--help"])  # the benchmark's own options
+    assert inner.exit_code == 0 and "under gdskv bench: the directory that holds the store" in " ".join(inner.output.split())
 
 
 def test_docs_max_cites_no_file_missing_from_the_repository() -> None:
