@@ -11,18 +11,20 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any
+from typing import Any, Optional
 
 import click
 from rich.table import Table
 
 from gdskv.cli._common import UsageProblem, human_bytes, open_existing, print_json
 from gdskv.cli.output import console as make_console
+from gdskv.cli.plots import need_matplotlib, plot_stats
 from gdskv.store import PRIVATE_DIR, PageStore
 
 
-def summed(store: PageStore) -> dict[str, Any]:
-    """``{"processes": n, "unreadable": [...], "namespaces": {ns_id: {counter: total}}}``."""
+def summed(store: PageStore, history: Optional[list[tuple[float, dict[str, Counter[str]]]]] = None) -> dict[str, Any]:
+    """``{"processes": n, "unreadable": [...], "namespaces": {ns_id: {counter: total}}}``; with
+    ``history``, each file's ``(last updated, counters per namespace)`` is appended to it."""
     per_ns: dict[str, Counter[str]] = {}
     processes = 0
     unreadable = []
@@ -39,6 +41,8 @@ def summed(store: PageStore) -> dict[str, Any]:
             unreadable.append(e.name)
             continue
         processes += 1
+        if history is not None:
+            history.append((float(data.get("updated") or 0.0), part))
         for ns_id, counters in part.items():
             per_ns.setdefault(ns_id, Counter()).update(counters)
     return {"processes": processes, "unreadable": unreadable, "namespaces": {k: dict(sorted(v.items())) for k, v in sorted(per_ns.items())}}
@@ -71,14 +75,22 @@ def prometheus_text(store: PageStore, rep: dict[str, Any]) -> str:
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the sums as JSON.")
 @click.option("--prometheus", is_flag=True, help="Print the sums in Prometheus's text format (for a node exporter's textfile collector).")
+@click.option("--plot", "plot_path", default=None, type=click.Path(dir_okay=False),
+              help="Also draw the token hit rate and bytes read/written over time to this PNG (needs pip install 'gdskv[plot]').")
 @click.pass_context
-def stats(ctx: click.Context, as_json: bool, prometheus: bool) -> None:
+def stats(ctx: click.Context, as_json: bool, prometheus: bool, plot_path: Optional[str]) -> None:
     """Hit, miss, byte, eviction, drop and corruption counters, per namespace, over all processes."""
     if as_json and prometheus:
         raise UsageProblem("--json and --prometheus are two formats: give one")
+    if plot_path is not None:
+        need_matplotlib("--plot")
     _, store = open_existing(ctx)
-    rep = summed(store)
+    history: list[tuple[float, dict[str, Counter[str]]]] = []
+    rep = summed(store, history)
     rep["models"] = {ns.id: ns.spec.model for ns in store.namespaces()}
+    if plot_path is not None:
+        points = plot_stats(history, rep["models"], plot_path)
+        click.echo(f"plot of {points} points ({rep['processes']} process files) written to {plot_path}", err=True)
     if prometheus:
         click.echo(prometheus_text(store, rep), nl=False)
         return

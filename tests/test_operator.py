@@ -354,3 +354,30 @@ def test_progress_off_a_terminal_is_a_periodic_status_line(capsys: pytest.Captur
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) >= 2, lines
     assert re.fullmatch(r"verify: \d+/10 chunks \(\d+%\), [\d.]+ chunks/s, \dm\d\ds left, 0m00s so far; group 0", lines[-1]), lines
+
+
+# --- plots -----------------------------------------------------------------------------------------
+def test_stats_plot_draws_hit_rate_and_bytes_over_time(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from gdskv.config import GdsKvConfig
+    from gdskv.service import KvService
+
+    store = fill(tmp_path / "store")  # process 1 (a store object of its own): saves
+    store.flush_stats()
+    [ns] = store.namespaces()
+    for _ in range(2):  # processes 2 and 3: a lookup each, served from what process 1 saved
+        svc = KvService(GdsKvConfig(store_path=str(tmp_path / "store")), ns.spec, transfers=False)
+        svc.lookup(list(range(4 * TPB)), None)
+        svc.close()
+    out = tmp_path / "stats.png"
+    res = cli(tmp_path / "store", "stats", "--plot", str(out))
+    assert res.exit_code == 0, res.output
+    assert "plot of 3 points (3 process files)" in res.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stats_plot_without_matplotlib_is_one_line_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fill(tmp_path / "store")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    one_line_error(cli(tmp_path / "store", "stats", "--plot", str(tmp_path / "o.png")), 2, "--plot needs matplotlib")
+    assert not (tmp_path / "o.png").exists()
