@@ -9,8 +9,10 @@ import json
 import logging
 import re
 import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import click
 
@@ -138,3 +140,36 @@ def one_line(e: BaseException) -> str:
     else:
         text = " ".join(str(e).split()) or type(e).__name__
     return text if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {text}"
+
+
+class FailureReasons(logging.Handler):
+    """The reasons of the failures a module logs as warnings, counted (the ``OSError`` each
+    warning carries as its last argument: ``"Read-only file system"``), instead of a warning
+    line per file."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reasons: Counter[str] = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        e = record.args[-1] if isinstance(record.args, tuple) and record.args else None
+        self.reasons[(e.strerror or str(e)) if isinstance(e, OSError) else record.getMessage()] += 1
+
+    def summary(self) -> str:
+        """``"Read-only file system"``, or the three commonest reasons with their counts."""
+        common = self.reasons.most_common(3)
+        return "; ".join(reason if len(self.reasons) == 1 else f"{reason} ({n})" for reason, n in common)
+
+
+@contextmanager
+def failures_logged(logger_name: str) -> Iterator[FailureReasons]:
+    """Count what ``logger_name`` warns about while the block runs (``evict``, ``gc``)."""
+    logger = logging.getLogger(logger_name)
+    handler, propagate = FailureReasons(), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate

@@ -10,16 +10,14 @@ not be read), 2 usage.
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
-from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import click
 from rich.table import Table
 
-from gdskv.cli._common import UsageProblem, human_bytes, open_existing, parse_duration, parse_size_or_percent, print_json
+from gdskv.cli._common import UsageProblem, failures_logged, human_bytes, open_existing, parse_duration, parse_size_or_percent, print_json
 from gdskv.cli.output import console as make_console
 from gdskv.cli.progress import Work, status_every
 from gdskv.eviction import Limits, disk_usage, namespace_ids_matching, remove_chunks, scan_store, select_victims, shortfall
@@ -35,32 +33,6 @@ def selected_ids(store: PageStore, wanted: Optional[str]) -> Optional[list[str]]
         have = [ns.id for ns in store.namespaces()] + [i for i, _ in store.damaged_namespaces()]
         raise UsageProblem(f"no namespace matches {wanted!r} (have: {', '.join(have) or 'none'})")
     return ids
-
-
-class _Failures(logging.Handler):
-    """Collects the reasons removals failed (the ``OSError`` each warning of
-    ``gdskv.eviction.removal`` carries), instead of a warning line per chunk."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.reasons: Counter[str] = Counter()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        e = record.args[-1] if isinstance(record.args, tuple) and record.args else None
-        self.reasons[(e.strerror or str(e)) if isinstance(e, OSError) else record.getMessage()] += 1
-
-
-@contextmanager
-def _failures_collected() -> Iterator[_Failures]:
-    logger = logging.getLogger("gdskv.eviction.removal")
-    handler, propagate = _Failures(), logger.propagate
-    logger.addHandler(handler)
-    logger.propagate = False
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate
 
 
 @click.command()
@@ -107,7 +79,7 @@ def _evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[st
             work.advance()
             return False
 
-        with _failures_collected() as failures, Work("evict", int(rows.size), "chunks", status_every(ctx), bar=not as_json) as work:
+        with failures_logged("gdskv.eviction.removal") as failures, Work("evict", int(rows.size), "chunks", status_every(ctx), bar=not as_json) as work:
             done = remove_chunks(store, table, rows, is_pinned=tried)
         store.flush_stats()
         freed = done.freed_bytes
@@ -132,7 +104,7 @@ def _evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[st
             head = f"would remove {rows.size} of {len(table)} chunks ({human_bytes(victim_bytes)} of {human_bytes(before)})"
         else:
             head = f"removed {rep['removed']} of {len(table)} chunks ({human_bytes(rep['removed_bytes'])} of {human_bytes(before)})"
-            why = "; ".join(f"{reason}" + (f" ({n})" if len(failures.reasons) > 1 else "") for reason, n in failures.reasons.most_common(3))
+            why = failures.summary()
             notes = [f"{n} {what}" for n, what in ((rep["failed"], "failed" + (f": {why}" if why else "")), (rep["already_gone"], "already gone"),
                                                    (rep["kept_leased"], "kept (leased meanwhile)"), (rep["kept_pinned"], "kept (pinned)")) if n]
             if notes:

@@ -181,6 +181,23 @@ def test_evict_on_a_read_only_store_says_removed_0_and_why(tmp_path: Path) -> No
     assert rep["removed"] == 0 and rep["failed"] == chunks and rep["failure_reasons"] == {"Read-only file system": chunks}
 
 
+def test_gc_on_a_read_only_store_says_removed_0_and_why(tmp_path: Path) -> None:
+    """Same finding as evict's, for gc: a leftover temp file that cannot be removed is counted
+    with its reason and the exit is 1, not "removed 0 temp files" and 0."""
+    store = fill(tmp_path / "store")
+    [array] = store.arrays()
+    chunk = Path(next(e for e in store.chunk_entries(array) if e.is_chunk).path)
+    leftover = chunk.with_name(chunk.name + ".tmp.999999999.1")  # no such pid
+    leftover.write_bytes(b"half a chunk")
+    with read_only(tmp_path / "store"):
+        res = cli(tmp_path / "store", "gc", "--grace", "0s", "--min-age", "0s")
+        js = cli(tmp_path / "store", "gc", "--grace", "0s", "--min-age", "0s", "--json")
+    assert res.exit_code == 1 and js.exit_code == 1, res.output
+    assert "removed 0 of 1 temp files" in res.stdout and "1 failed: Read-only file system" in res.stdout, res.stdout
+    assert json.loads(js.stdout)["failure_reasons"] == {"Read-only file system": 1}
+    assert leftover.exists()
+
+
 # --- demo ------------------------------------------------------------------------------------------
 def test_demo_on_a_non_store_directory_a_file_or_a_read_only_store_is_one_line(tmp_path: Path) -> None:
     d = tmp_path / "home"
