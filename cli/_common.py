@@ -1,15 +1,18 @@
 """Helpers shared by the ``gdskv`` commands: opening the store, parsing sizes and durations, output.
 
-Exit codes (every command): 0 ok, 1 problems found, 2 usage (bad option, or a path that is not a
+Exit codes (every command): 0 ok, 1 something failed, 2 unusable input (bad option, or a path that is not a
 gdskv store). ``UsageProblem`` carries the 2.
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import click
 
@@ -112,3 +115,61 @@ def human_age(mtime_ns: int, now_ns: Optional[int] = None) -> str:
 
 def print_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True))
+
+
+class OneLineErrors(click.Group):
+    """The ``gdskv`` group: an error no command turned into a ``click`` error (an ``OSError`` from
+    the store, a bug) is still one line on stderr and exit 1, never a traceback; ``-vv`` logs
+    the traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt, EOFError):
+            raise
+        except Exception as e:
+            logging.getLogger("gdskv.cli").debug("gdskv %s failed", ctx.invoked_subcommand, exc_info=True)
+            raise click.ClickException(f"{ctx.invoked_subcommand or 'gdskv'}: {one_line(e)}") from None
+
+
+def one_line(e: BaseException) -> str:
+    """An exception as one line: its message with whitespace collapsed, or its type's name; an
+    ``OSError`` as ``strerror: path``."""
+    if isinstance(e, OSError) and e.strerror:
+        text = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    else:
+        text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, (OSError, ValueError)) else f"{type(e).__name__}: {text}"
+
+
+class FailureReasons(logging.Handler):
+    """The reasons of the failures a module logs as warnings, counted (the ``OSError`` each
+    warning carries as its last argument: ``"Read-only file system"``), instead of a warning
+    line per file."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reasons: Counter[str] = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        e = record.args[-1] if isinstance(record.args, tuple) and record.args else None
+        self.reasons[(e.strerror or str(e)) if isinstance(e, OSError) else record.getMessage()] += 1
+
+    def summary(self) -> str:
+        """``"Read-only file system"``, or the three commonest reasons with their counts."""
+        common = self.reasons.most_common(3)
+        return "; ".join(reason if len(self.reasons) == 1 else f"{reason} ({n})" for reason, n in common)
+
+
+@contextmanager
+def failures_logged(logger_name: str) -> Iterator[FailureReasons]:
+    """Count what ``logger_name`` warns about while the block runs (``evict``, ``gc``)."""
+    logger = logging.getLogger(logger_name)
+    handler, propagate = FailureReasons(), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate

@@ -2,11 +2,14 @@
 
 Four fresh processes share nothing but the store: two move synthetic KV pages through the store
 (raw I/O speed), two run the CPU reference engine with the TensorRT-LLM connector attached (the
-second serves the prompts' prefix from the store and must generate the same tokens).
+second serves the prompts' prefix from the store and must generate the same tokens). Exit codes:
+0 ok, 1 a check failed (or a phase did), 2 a store path that is not a gdskv store and cannot be one.
+A failing phase is one line (its last error line); its whole stderr is logged with ``-v``.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,37 +17,47 @@ import time
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.markup import escape
 
-from gdskv.config import load_config
+from gdskv.cli._common import config_of, print_json
+from gdskv.cli.output import console as make_console
+from gdskv.cli.prewarm import check_store
+
+log = logging.getLogger(__name__)
 
 
-def _phase(console: Console, store: str, phase: str, *args: str) -> dict[str, Any]:
+def _phase(store: str, phase: str, *args: str) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     out = subprocess.run([sys.executable, "-m", "gdskv.demo", phase, "--store", store, *args], capture_output=True, text=True, env=env)
-    if out.returncode not in (0, 1) or not out.stdout.strip():
-        console.print(escape(out.stderr[-4000:]))
-        raise click.ClickException(f"demo phase {phase!r} failed (exit {out.returncode})")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    try:
+        if out.returncode in (0, 1) and out.stdout.strip():
+            return json.loads(out.stdout.strip().splitlines()[-1])
+    except ValueError:
+        pass
+    log.info("demo phase %s stderr:\n%s", phase, out.stderr)
+    last = next((line.strip() for line in reversed(out.stderr.splitlines()) if line.strip()), "no error output")
+    raise click.ClickException(f"demo phase {phase!r} failed (exit {out.returncode}): {last}")
 
 
 @click.command()
 @click.option("--pages-per-prompt", "blocks", default=16, show_default=True, help="Synthetic KV pages per prompt.")
 @click.option("--page-bytes", default=1 << 20, show_default=True, help="Bytes per synthetic KV page.")
 @click.option("--system-tokens", default=480, show_default=True, help="Length of the shared system prompt the engine serves.")
+@click.option("--json", "as_json", is_flag=True, help="Print every phase's figures as JSON instead.")
 @click.pass_context
-def demo(ctx: click.Context, blocks: int, page_bytes: int, system_tokens: int) -> None:
+def demo(ctx: click.Context, blocks: int, page_bytes: int, system_tokens: int, as_json: bool) -> None:
     """Round-trip KV through the store in new processes; serve a prompt prefix from it."""
-    console = Console(highlight=False)
-    cfg = load_config(store_path=(ctx.obj or {}).get("store_path"))
+    cfg = config_of(ctx)
+    check_store(cfg)  # one line, exit 2, for a path that is not a store and cannot be one
     store = cfg.store_path
+    console = make_console(quiet=as_json)
+    report: dict[str, Any] = {"store": store}
     console.print(f"[bold]gdskv demo[/] — store {escape(store)}")
     ok = True
 
     console.print("[bold]1. Store round trip[/] (4 prompts sharing a prefix; each phase in a new process)")
     for phase in ("save", "load"):
-        r = _phase(console, store, phase, "--blocks", str(blocks), "--page-bytes", str(page_bytes))
+        r = report[phase] = _phase(store, phase, "--blocks", str(blocks), "--page-bytes", str(page_bytes))
         what = f"{r['done']} saved, {r['already']} already stored" if phase == "save" else f"{r['done']} loaded and verified, {r['misses']} missed"
         console.print(
             f"   {phase:4s}: {r['pages']} pages of {page_bytes / 2**20:g} MiB: {what}; "
@@ -58,7 +71,7 @@ def demo(ctx: click.Context, blocks: int, page_bytes: int, system_tokens: int) -
     salt = f"demo-{time.time_ns()}"  # a fresh salt, so run 1 computes even when the store is warm
     runs = []
     for n in (1, 2):
-        r = _phase(console, store, "engine", "--salt", salt, "--system-tokens", str(system_tokens))
+        r = _phase(store, "engine", "--salt", salt, "--system-tokens", str(system_tokens))
         runs.append(r)
         w = r["worker"]
         console.print(
@@ -72,6 +85,9 @@ def demo(ctx: click.Context, blocks: int, page_bytes: int, system_tokens: int) -
         f"outputs {'[green]identical[/]' if same else '[red]DIFFER[/]'}"
     )
     ok = ok and same and served > 0
+    report |= {"engine_runs": runs, "outputs_identical": same, "served_tokens": served, "ok": ok}
+    if as_json:
+        print_json(report)
     if not ok:
         console.print("[red]FAILED[/]")
         ctx.exit(1)

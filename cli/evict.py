@@ -15,10 +15,11 @@ from collections import Counter
 from typing import Any, Optional
 
 import click
-from rich.console import Console
 from rich.table import Table
 
-from gdskv.cli._common import UsageProblem, human_bytes, open_existing, parse_duration, parse_size_or_percent, print_json
+from gdskv.cli._common import UsageProblem, failures_logged, human_bytes, open_existing, parse_duration, parse_size_or_percent, print_json
+from gdskv.cli.output import console as make_console
+from gdskv.cli.progress import Work, status_every
 from gdskv.eviction import Limits, disk_usage, namespace_ids_matching, remove_chunks, scan_store, select_victims, shortfall
 from gdskv.store import PageStore
 
@@ -74,17 +75,23 @@ def _evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[st
                            "victims": int(rows.size), "victim_bytes": victim_bytes, "per_namespace": dict(per_ns)}
     freed = victim_bytes
     if not dry_run:
-        done = remove_chunks(store, table, rows)
+        def tried(_path: str) -> bool:  # called once per chunk it comes to: the progress
+            work.advance()
+            return False
+
+        with failures_logged("gdskv.eviction.removal") as failures, Work("evict", int(rows.size), "chunks", status_every(ctx), bar=not as_json) as work:
+            done = remove_chunks(store, table, rows, is_pinned=tried)
         store.flush_stats()
         freed = done.freed_bytes
         rep |= {"removed": done.removed, "removed_bytes": done.removed_bytes, "already_gone": done.already_gone, "failed": done.failed,
-                "kept_pinned": done.skipped_pinned, "kept_leased": done.skipped_leased}
+                "kept_pinned": done.skipped_pinned, "kept_leased": done.skipped_leased,
+                "failure_reasons": dict(failures.reasons)}
     rep["bytes_after"] = before - freed
     rep["within_budget"] = limit is None or rep["bytes_after"] <= limit
     if as_json:
         print_json(rep)
     else:
-        console = Console()
+        console = make_console()
         if dry_run and rows.size:
             t = Table(title=f"would remove (first {min(20, rows.size)} of {rows.size}, in order)")
             for col in ("namespace", "group", "path", "size"):
@@ -97,7 +104,8 @@ def _evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[st
             head = f"would remove {rows.size} of {len(table)} chunks ({human_bytes(victim_bytes)} of {human_bytes(before)})"
         else:
             head = f"removed {rep['removed']} of {len(table)} chunks ({human_bytes(rep['removed_bytes'])} of {human_bytes(before)})"
-            notes = [f"{n} {what}" for n, what in ((rep["failed"], "failed"), (rep["already_gone"], "already gone"),
+            why = failures.summary()
+            notes = [f"{n} {what}" for n, what in ((rep["failed"], "failed" + (f": {why}" if why else "")), (rep["already_gone"], "already gone"),
                                                    (rep["kept_leased"], "kept (leased meanwhile)"), (rep["kept_pinned"], "kept (pinned)")) if n]
             if notes:
                 head += f" of {rows.size} chosen; " + ", ".join(notes)

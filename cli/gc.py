@@ -9,16 +9,17 @@ Removes exactly two kinds of things:
 - empty chunk directories under an array's ``c/`` not changed for ``--min-age`` (a writer creates
   its directory just before it writes; ``rmdir`` never removes a directory that has a file).
 
-Nothing else is touched: no published chunk, no metadata, no quarantine.
+Nothing else is touched: no published chunk, no metadata, no quarantine. Exit 1 when a removal
+failed (a read-only store: the count says why), 2 for a path that is not a store.
 """
 from __future__ import annotations
 
 from dataclasses import asdict
 
 import click
-from rich.console import Console
 
-from gdskv.cli._common import human_bytes, open_existing, parse_duration, print_json
+from gdskv.cli._common import failures_logged, human_bytes, open_existing, parse_duration, print_json
+from gdskv.cli.output import console as make_console
 from gdskv.garbage import Collected, collect, find_garbage
 
 
@@ -32,15 +33,23 @@ def gc(ctx: click.Context, grace: str, min_age: str, dry_run: bool, as_json: boo
     """Remove temp files left by crashed writers and empty chunk directories."""
     _, store = open_existing(ctx)
     garbage = find_garbage(store, parse_duration(min_age), parse_duration(grace))
-    done = Collected() if dry_run else collect(store, garbage)
-    rep = {"dry_run": dry_run, "temp_files": [p for p, _ in garbage.temp_files], "empty_dirs": garbage.empty_dirs, **asdict(done)}
+    with failures_logged("gdskv.garbage") as failures:
+        done = Collected() if dry_run else collect(store, garbage)
+    rep = {"dry_run": dry_run, "temp_files": [p for p, _ in garbage.temp_files], "empty_dirs": garbage.empty_dirs, **asdict(done),
+           "failure_reasons": dict(failures.reasons)}
     if as_json:
         print_json(rep)
+        if done.failed:
+            ctx.exit(1)
         return
-    console = Console()
+    console = make_console()
     if dry_run:
         for p in rep["temp_files"] + rep["empty_dirs"]:
             console.print(f"would remove {p}")
         console.print(f"would remove {len(garbage.temp_files)} temp files and {len(garbage.empty_dirs)} empty directories")
     else:
-        console.print(f"removed {done.removed_temp_files} temp files ({human_bytes(done.freed_bytes)}) and {done.removed_dirs} empty directories")
+        console.print(f"removed {done.removed_temp_files} of {len(garbage.temp_files)} temp files ({human_bytes(done.freed_bytes)}) and "
+                      f"{done.removed_dirs} of {len(garbage.empty_dirs)} empty directories"
+                      + (f"; {done.failed} failed: {failures.summary()}" if done.failed else ""))
+        if done.failed:
+            ctx.exit(1)

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import human_bytes, open_existing, print_json
+from gdskv.cli.output import console as make_console
 from gdskv.eviction import Limits, catalog, disk_usage, rebuild_catalog, scan_store
 from gdskv.io import make_engine
 from gdskv.io.capabilities import cuda_driver_present, kvikio_available
@@ -94,7 +94,7 @@ def info(ctx: click.Context, as_json: bool, remote: bool) -> None:
     if as_json:
         print_json(rep)
         return
-    console = Console()
+    console = make_console()
     e = rep["engine"]
     console.print(f"[bold]store[/]   {rep['store']}  (format v{rep['format_version']})")
     console.print(f"[bold]engine[/]  {e['describe']}  (config: {e['configured']}; kvikio {'installed' if e['kvikio_installed'] else 'not installed'}; "

@@ -11,12 +11,12 @@ from typing import Any, Optional
 
 import click
 import numpy as np
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import human_age, human_bytes, open_existing, parse_duration, print_json
+from gdskv.cli.output import console as make_console
 from gdskv.cli.evict import selected_ids
 from gdskv.eviction import read_trailer, scan_store
 
@@ -77,7 +77,7 @@ def _ls(ctx: click.Context, namespace: Optional[str], group: Optional[int], olde
     for row in out:
         t.add_row(row["namespace"] + (" (damaged)" if row["damaged_namespace"] else ""), str(row["group"]),
                   (row["key"] or "(bad trailer)")[:16], (row["parent"] or "-")[:16], human_bytes(row["bytes"]), human_age(row["mtime_ns"], now))
-    console = Console()
+    console = make_console()
     console.print(t)
     for ns_id, why in damaged.items():
         console.print(f"namespace {ns_id}: damaged metadata ({escape(why)}); its chunks are listed and evictable, never served", highlight=False)

@@ -1,12 +1,15 @@
 """``gdskv``: inspect, verify, evict, gc and pre-warm a store; run the demo and the benchmark.
 
-Exit codes: 0 ok, 1 problems found, 2 usage errors.
+Exit codes: 0 ok, 1 something failed, 2 unusable input (a bad option, a path that is not a store).
+Every error is one line on stderr; an unexpected one too (``-vv`` logs its traceback).
 """
 from __future__ import annotations
 
 import os
 
 import click
+
+from gdskv.cli._common import OneLineErrors
 
 from gdskv.cli.bench import bench
 from gdskv.cli.demo import demo
@@ -15,6 +18,7 @@ from gdskv.cli.gc import gc
 from gdskv.cli.info import info
 from gdskv.cli.ls import ls
 from gdskv.cli.prewarm import prewarm
+from gdskv.cli.progress import DEFAULT_EVERY
 from gdskv.cli.pull import pull
 from gdskv.cli.push import push
 from gdskv.cli.stats import stats
@@ -29,17 +33,20 @@ if os.environ.get("GDSKV_MAX_HOOK") == "1":
     install_if_requested()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--store", "store_path", envvar="GDSKV_STORE", default=None, help="Store path (default: GDSKV_STORE, the config, or ~/.cache/gdskv/store).")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.option("--status-every", "status_every", type=click.FloatRange(min=0.05), default=DEFAULT_EVERY, show_default=True,
+              help="Seconds between progress lines when stderr is not a terminal (long prewarm, verify, evict, bench).")
 @click.pass_context
-def main(ctx: click.Context, store_path: str | None, verbose: int) -> None:
+def main(ctx: click.Context, store_path: str | None, verbose: int, status_every: float) -> None:
     """gdskv: a persistent KV-cache store for LLM serving."""
     import logging
 
     logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)], format="%(levelname)s %(name)s: %(message)s")
     ctx.ensure_object(dict)
     ctx.obj["store_path"] = store_path
+    ctx.obj["status_every"] = status_every
 
 
 for command in (info, ls, stats, verify, evict, gc, prewarm, push, pull, bench, demo):

@@ -15,8 +15,11 @@ land in the store:
   ``kv_load_failure_policy="recompute"``), ``generate(..., max_tokens=1)``.
 - ``max``: Modular MAX's offline ``LLM`` with gdskv's KVConnector installed.
 
-Prompts that cannot run (empty, longer than ``--max-prompt-tokens``, unreadable lines, an engine
-error) are reported and skipped; the others go on. Exit 1 when any prompt failed.
+Prompts that cannot run (empty, an empty file, longer than ``--max-prompt-tokens``, unreadable
+lines, an engine error) are reported and skipped; the others go on. Exit 1 when any prompt failed.
+Progress: a bar on a terminal, else a status line every ``gdskv --status-every`` seconds that
+names the blocks the current prompt has written so far (a long prompt shows progress within
+seconds).
 """
 from __future__ import annotations
 
@@ -31,13 +34,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from gdskv.cli._common import UsageProblem, config_of, human_bytes, print_json
 from gdskv.cli._remote import remote_client
 from gdskv.cli.push import push_namespaces_of
+from gdskv.cli.output import console
+from gdskv.cli.progress import Work, status_every
 from gdskv.config import GdsKvConfig
 
 REFERENCE_TOKENS_PER_BLOCK = 16
@@ -93,7 +96,11 @@ def _read_txt(path: Path) -> list[Prompt]:
     except ValueError as e:  # UnicodeDecodeError included: a .txt that is not text is one failure
         return [Prompt(str(path), error=_not_utf8(e) if isinstance(e, UnicodeDecodeError) else str(e))]
     paragraphs = re.split(r"\n[ \t]*\n", text)
-    return [Prompt(f"{path}#{i + 1}", text=p.strip()) for i, p in enumerate(p for p in paragraphs if p.strip())]
+    return [Prompt(f"{path}#{i + 1}", text=p.strip()) for i, p in enumerate(p for p in paragraphs if p.strip())] or _empty(path)
+
+
+def _empty(path: Path) -> list[Prompt]:
+    return [Prompt(str(path), error="empty file: no prompt in it")]
 
 
 def _read_jsonl(path: Path) -> list[Prompt]:
@@ -128,11 +135,11 @@ def _read_jsonl(path: Path) -> list[Prompt]:
             continue
         if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             out.append(Prompt(src, text=obj["prompt"]))
-        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and all(isinstance(m, dict) and "content" in m for m in obj["messages"]):
+        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list) and obj["messages"] and all(isinstance(m, dict) and "content" in m for m in obj["messages"]):
             out.append(Prompt(src, messages=obj["messages"]))
         else:
-            out.append(Prompt(src, error="needs a string 'prompt' or a list of 'messages' with 'role' and 'content'"))
-    return out
+            out.append(Prompt(src, error="needs a string 'prompt' or a non-empty list of 'messages' with 'role' and 'content'"))
+    return out or _empty(path)
 
 
 def read_prompts(paths: Sequence[str]) -> list[Prompt]:
@@ -300,12 +307,17 @@ def _tokenize(tok: Tokenizer, p: Prompt, max_tokens: int) -> list[int]:
 class _Runner(Protocol):
     def run(self, prompt: Prompt) -> Outcome: ...
 
+    def progress(self) -> str:
+        """What the prompt running now has done so far (called from the progress thread)."""
+        ...
+
     def close(self) -> None: ...
 
 
 class _ReferenceRunner:
     def __init__(self, cfg: GdsKvConfig, tok: Tokenizer, max_tokens: int, salt: Optional[str]) -> None:
         self.tok, self.max_tokens, self.salt = tok, max_tokens, salt
+        self._current: Optional[tuple[str, int, int]] = None
         self.stack = reference_stack(cfg, tok.vocab_size, max_tokens)
         if self.stack.worker.namespace is None:  # the worker logged why (an OSError on the store)
             self.stack.close()
@@ -317,6 +329,7 @@ class _ReferenceRunner:
         w = self.stack.worker
         ns = w.namespace
         published, existing = w.counters.saves_published, w.counters.saves_existing
+        self._current = (prompt.source, len(ids), published + existing)
         nbytes = ns.counters["bytes_written"] if ns is not None else 0
         [res] = self.stack.engine.generate([ids], max_new_tokens=1, cache_salts=[self.salt])
         return Outcome(
@@ -324,6 +337,14 @@ class _ReferenceRunner:
             bytes_written=(ns.counters["bytes_written"] if ns is not None else 0) - nbytes,
             blocks_present=res.prefill_tokens_loaded // self.stack.tokens_per_block + w.counters.saves_existing - existing,
         )
+
+    def progress(self) -> str:
+        if self._current is None:
+            return ""
+        source, tokens, start = self._current
+        c = self.stack.worker.counters
+        return (f"{source} ({tokens} tokens): {c.saves_published + c.saves_existing - start} of "
+                f"{tokens // self.stack.tokens_per_block} blocks stored so far")
 
     def close(self) -> None:
         self.stack.close()
@@ -354,7 +375,15 @@ class _StoreDelta:
         return Outcome(blocks_written=after[0] - before[0], bytes_written=after[1] - before[1])
 
 
-class _TrtllmRunner:
+class _ExternalRunner:
+    """An engine that runs in its own processes (TensorRT-LLM, MAX, vLLM): its counters live
+    there, so progress inside a prompt is not known here (only prompts done)."""
+
+    def progress(self) -> str:
+        return ""
+
+
+class _TrtllmRunner(_ExternalRunner):
     """TensorRT-LLM's LLM API with gdskv's connector (needs ``tensorrt_llm``)."""
 
     def __init__(self, cfg: GdsKvConfig, model: str, tokenizer: Optional[str], max_tokens: int) -> None:
@@ -381,7 +410,7 @@ class _TrtllmRunner:
         self.llm.shutdown()
 
 
-class _MaxRunner:
+class _MaxRunner(_ExternalRunner):
     """Modular MAX's offline ``LLM`` with gdskv's KVConnector installed (needs ``max``)."""
 
     def __init__(self, cfg: GdsKvConfig, model: str, max_tokens: int) -> None:
@@ -419,7 +448,7 @@ class _MaxRunner:
         del self.llm
 
 
-class _VllmRunner:
+class _VllmRunner(_ExternalRunner):
     """vLLM's offline ``LLM`` with gdskv's KV connector (needs ``vllm``): the kv-transfer-config
     of docs/vllm.md, ``kv_load_failure_policy="recompute"`` included. vLLM's own prefix cache stays
     on (a prompt repeated within the run is served from the device); the connector saves every
@@ -519,12 +548,9 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
     items = read_prompts(prompts)  # before the store: a usage error here creates no store
     runner = _runner(engine, cfg, model, tokenizer, max_tokens, cache_salt)
     summary = Summary(engine, prompts=len(items), blocks_present=0 if engine == "reference" else None)
-    console = Console(stderr=True)
     t_all = time.perf_counter()
     try:
-        with Progress(TextColumn("prewarm"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                      disable=as_json or not console.is_terminal) as progress:
-            task = progress.add_task("prompts", total=len(items))
+        with Work("prewarm", len(items), "prompts", status_every(ctx), bar=not as_json, detail=runner.progress) as work:
             for p in items:
                 try:
                     out = runner.run(p)
@@ -536,7 +562,7 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
                     summary.bytes_written += out.bytes_written
                     if summary.blocks_present is not None and out.blocks_present is not None:
                         summary.blocks_present += out.blocks_present
-                progress.advance(task)
+                work.advance()
     finally:
         runner.close()
     summary.seconds = time.perf_counter() - t_all
@@ -549,7 +575,7 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
     if as_json:
         print_json(asdict(summary) | ({"remote": pushed[0]} if pushed else {}))
     else:
-        out_console = Console()
+        out_console = console()
         if summary.failed:
             t = Table(title="skipped prompts")
             t.add_column("prompt")

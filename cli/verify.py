@@ -7,7 +7,9 @@ and names this file's path; the payload is as long as the trailer says and the n
 its checksum matches (and its MAC, where the config has a chunk key: ``gdskv.checksum.check_host``).
 Entries where a chunk belongs that are not regular files, and chunks of damaged namespaces, are
 reported too. ``--repair`` moves bad chunks to the quarantine (``Namespace.quarantine``);
-a chunk removed meanwhile (evicted by another process) is counted as gone, not as bad.
+a chunk removed meanwhile (evicted by another process) is counted as gone, not as bad. Files in a
+chunk directory whose names are neither a chunk index nor a gdskv temp name (someone's notes, a
+backup) are not gdskv's: reported as foreign and left alone, even with ``--repair``.
 """
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from gdskv import checksum
 from gdskv import format as fmt
 from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import auth_key_of, open_existing, print_json, select_namespaces
+from gdskv.cli.output import console
+from gdskv.cli.progress import Work, status_every
 from gdskv.confined import NotRegularFileError, OutsideStoreError
 from gdskv.store import ArrayDir, ChunkEntry, Namespace
 
@@ -93,16 +95,16 @@ def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: 
     chosen = None if namespace is None else select_namespaces(store, namespace)
     arrays = store.arrays([store.namespace(ns.spec) for ns in chosen] if chosen is not None else None)
     arrays = [a if a.namespace is None else replace(a, namespace=store.namespace(a.namespace.spec)) for a in arrays]
-    files = [(a, e) for a in arrays for e in store.chunk_entries(a) if e.lo is not None]
+    entries = [(a, e) for a in arrays for e in store.chunk_entries(a)]
+    files = [(a, e) for a, e in entries if e.lo is not None]
+    foreign = [{"namespace": a.ns_id, "group": a.group, "path": e.path} for a, e in entries
+               if e.lo is None and not fmt.is_temp_name(e.name)]
     counts: Counter[str] = Counter()
     bad: list[dict[str, object]] = []
-    console = Console(stderr=True)
-    with Progress(TextColumn("verify"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console,
-                  disable=as_json or not console.is_terminal) as progress, ThreadPoolExecutor(threads) as pool:
-        task = progress.add_task("chunks", total=len(files))
+    with Work("verify", len(files), "chunks", status_every(ctx), bar=not as_json) as work, ThreadPoolExecutor(threads) as pool:
         checks = pool.map(lambda f: check_entry(*f, auth_key), files)
         for (array, entry), reason in zip(files, checks):
-            progress.advance(task)
+            work.advance()
             counts[reason or "ok"] += 1
             if reason is None or reason == "gone":
                 continue
@@ -120,11 +122,11 @@ def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: 
         store.flush_stats()
     rep = {"checked": len(files), "ok": counts["ok"], "bad": len(bad), "gone": counts["gone"],
            "reasons": {k: v for k, v in counts.items() if k not in ("ok", "gone", "repair_failed")}, "repaired": repair,
-           "repair_failed": counts["repair_failed"], "bad_chunks": bad}
+           "repair_failed": counts["repair_failed"], "bad_chunks": bad, "foreign": foreign}
     if as_json:
         print_json(rep)
     else:
-        out = Console()
+        out = console()
         if bad:
             t = Table(title="bad chunks" + (" (quarantined)" if repair else " (run with --repair to quarantine)"))
             for col in ("namespace", "group", "reason", "path"):
@@ -135,6 +137,8 @@ def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: 
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(rep["reasons"].items()))
         out.print(f"checked {rep['checked']} chunks: {rep['ok']} ok, {rep['bad']} bad" + (f" ({reasons})" if reasons else "")
                   + (f", {rep['gone']} removed meanwhile" if rep["gone"] else "")
-                  + (f"; {rep['repair_failed']} could not be quarantined (read-only or full store?)" if rep["repair_failed"] else ""))
+                  + (f"; {rep['repair_failed']} could not be quarantined (read-only or full store?)" if rep["repair_failed"] else "")
+                  + (f"; {len(foreign)} foreign file{'s' * (len(foreign) != 1)} left alone (not gdskv's: "
+                     f"{', '.join(str(f['path']) for f in foreign[:3])}{', ...' if len(foreign) > 3 else ''})" if foreign else ""))
     if bad:
         ctx.exit(1)

@@ -439,7 +439,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool
     """The options, and whether to print JSON."""
     parser = argparse.ArgumentParser(prog="gdskv bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure "
-                        "(a temporary subdirectory is created and removed); default: the system temp directory")
+                        "(a temporary subdirectory is created and removed); default: the system temp directory "
+                        "(under gdskv bench: the directory that holds the store)")
     parser.add_argument("--total", default="1G", help="bytes of pages per measurement (default 1G)")
     parser.add_argument("--page-size", action="append", choices=["1M", "4M"],
                         help="page size; repeat for several (default: 4M)")

@@ -225,6 +225,11 @@ class GdsKvConfig:
     """Bytes of page payload the host-memory tier of each worker (``KvService``) holds in front of
     the disk (``gdskv.hosttier``); 0 turns it off. Unset: 4 GiB, or an eighth of the machine's
     memory where that is less (``gdskv.hosttier.tier_bytes``)."""
+    metrics_port: Optional[int] = None
+    """Prometheus metrics of each serving process on ``metrics_port + tp_rank`` (``0``: any free
+    port, logged); None (default): off. See ``gdskv.metrics``."""
+    metrics_host: str = "0.0.0.0"
+    """The address the metrics endpoint listens on."""
     window_aware: bool = False
     """Window-aware serving for sliding-window layer groups (TensorRT-LLM connector): a sliding
     group needs only the blocks inside its window before the served length, so the served prefix
@@ -261,6 +266,11 @@ class GdsKvConfig:
             raise bad("o_direct", f"must be one of {', '.join(O_DIRECT_MODES)} (or true/false), got {self.o_direct!r}")
         if not isinstance(self.fsync, bool):
             raise bad("fsync", f"must be true or false, got {self.fsync!r}")
+        port = self.metrics_port
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise bad("metrics_port", f"must be a port number in [0, 65535] (0: any free port), got {port!r}")
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise bad("metrics_host", f"must be a non-empty address, got {self.metrics_host!r}")
         if not isinstance(self.window_aware, bool):
             raise bad("window_aware", f"must be true or false, got {self.window_aware!r}")
         if self.async_load_min_bytes is False:  # TOML has no None: false turns asynchronous loads off

@@ -17,7 +17,8 @@ no policy of its own. The service owns:
 - **lineage**: block keys chained on their parents (``keys``), the parent recorded with each save;
   for an engine that names blocks itself, links learnt from the runs it shows (``lineage``);
 - **counters**: this process's outcomes (``counters``), and the store's per-process counter files
-  that ``gdskv stats`` sums (``flush_stats``);
+  that ``gdskv stats`` sums (``flush_stats``); with ``metrics_port`` set, the process's Prometheus
+  endpoint and the latency of its lookups, loads and saves (``gdskv.metrics``);
 - **close**.
 
 A service built with ``transfers=False`` only looks up (a scheduler process that never touches
@@ -28,10 +29,13 @@ A store path that is not a gdskv store, and a bad chunk key, fail bring-up (``Se
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -43,6 +47,7 @@ from gdskv.garbage import collect_in_background
 from gdskv.hosttier import HostTier, TierConfigError, payload_nbytes, scatter, tier_bytes
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
+from gdskv.metrics import ServiceMetrics, attach, engine_of
 from gdskv.planner import Lookup, Salt, contiguous_hits, lookup_needs, plan_lookup, plan_lookup_window_aware
 from gdskv.remote import RemoteSetupError, RemoteTier
 from gdskv.store import Namespace, NamespaceSpec, PageStore, StoreError
@@ -143,6 +148,10 @@ class KvService:
         self.host: Optional[HostTier] = None
         """The host tier (None: ``host_bytes = 0``, or no transfers)."""
         self._host_copies: Optional[ThreadPoolExecutor] = None
+        self.metrics: Optional[ServiceMetrics] = None
+        """This process's metrics (``metrics_port`` set), labelled with the engine whose
+        connector made the service (``gdskv.metrics.engine_of`` its module)."""
+        engine_label = engine_of(sys._getframe(1).f_globals.get("__name__"))
         try:
             self.store = PageStore.from_config(cfg)
             self.namespaces = [self.store.namespace(spec.with_rank(r)) for r in range(spec.tp_size)]
@@ -170,6 +179,8 @@ class KvService:
             except RemoteSetupError as e:
                 raise ServiceSetupError(str(e)) from None
             self.remote.start_leftovers([self.namespaces[r] for r in self.transfers])
+        self.metrics = attach(self, engine_label)
+        atexit.register(_flush_at_exit, weakref.ref(self))  # a process that ends without close() keeps its counts
         log.info("gdskv: service for %r shard %d/%d on namespace %s in %s%s", spec.model, spec.tp_rank, spec.tp_size,
                  self.namespace.id, cfg.store_path,
                  f" (I/O: {self.engine.describe()})" if self.engine is not None else " (lookups only)")
@@ -229,6 +240,7 @@ class KvService:
         ``window_aware``: ``plan_lookup_window_aware`` (a sliding group needs, and leases, only
         the blocks inside its window before the served length)."""
         stored = self._lookup_stored()
+        t0 = time.perf_counter()
         for attempt in (0, 1):
             if window_aware:
                 found = plan_lookup_window_aware(tokens, cache_salt, self.tokens_per_block, num_computed_tokens,
@@ -250,6 +262,8 @@ class KvService:
             shared.add("lookup_tokens", len(tokens))
             shared.add("lookup_matched_tokens", found.num_new_tokens)
             self._dirty = True
+            if self.metrics is not None:
+                self.metrics.observe("lookup", self.namespace, time.perf_counter() - t0)
         return found
 
     def lookup_keys(self, keys: Sequence[bytes], first_block: int = 0) -> int:
@@ -305,14 +319,15 @@ class KvService:
         if transfer is None:
             return None
         segments = list(segments)
+        t0 = time.perf_counter()
         nbytes = self.bytes_per_page(group)
         if self.host is not None:
-            fut = self._load_from_host(rank, group, key, segments, ready, nbytes)
+            fut = self._load_from_host(rank, group, key, segments, ready, nbytes, t0)
             if fut is not None:
                 return fut
         self._posted(loads_posted=1)
         fut = transfer.load_page(group, key, segments, ready=ready)
-        return _counted(fut, lambda f: (self._fill(f, LoadStatus.LOADED, rank, group, key, segments), self._loaded(f, nbytes)))
+        return _counted(fut, lambda f: (self._fill(f, LoadStatus.LOADED, rank, group, key, segments), self._loaded(f, nbytes, t0, transfer.ns)))
 
     def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
              ready: Optional[Any] = None, shard: Optional[int] = None) -> Optional["Future[SaveStatus]"]:
@@ -325,15 +340,16 @@ class KvService:
         if transfer is None:
             return None
         segments = list(segments)
+        t0 = time.perf_counter()
         fut = transfer.save_page(group, key, parent, segments, ready=ready)
         if self.remote is not None:
             fut = self.remote.after_save(transfer.ns, group, key, fut)
         nbytes = self.bytes_per_page(group)
         self._posted(saves_posted=1)
-        return _counted(fut, lambda f: (self._fill(f, SaveStatus.PUBLISHED, rank, group, key, segments), self._saved(f, nbytes)))
+        return _counted(fut, lambda f: (self._fill(f, SaveStatus.PUBLISHED, rank, group, key, segments), self._saved(f, nbytes, t0, transfer.ns)))
 
     def _load_from_host(self, rank: int, group: int, key: bytes, segments: list[Any], ready: Optional[Any],
-                        nbytes: int) -> Optional[Future]:
+                        nbytes: int, t0: float) -> Optional[Future]:
         """A load served from the host tier, or None (a miss: the caller reads the disk). Only an
         entry of exactly the segments' size is served. Into plain host memory with nothing to wait
         for, the copy runs here and the future comes back done (a hand-off, or a second future,
@@ -366,6 +382,8 @@ class KvService:
             done: Future = Future()
             done.set_result(status)
             self._count(loads_posted=1, loads_loaded=1, bytes_loaded=nbytes, **hit)
+            if self.metrics is not None:
+                self.metrics.observe("load", self.namespaces[rank], time.perf_counter() - t0)
             return done
         self._posted(loads_posted=1)
         try:
@@ -374,7 +392,7 @@ class KvService:
             lent.release()
             fut = Future()
             fut.set_result(LoadStatus.MISSING)
-        return _counted(fut, lambda f: self._loaded(f, nbytes, hit))
+        return _counted(fut, lambda f: self._loaded(f, nbytes, t0, self.namespaces[rank], hit))
 
     def _fill(self, fut: Future, wanted: Any, rank: int, group: int, key: bytes, segments: list[Any]) -> None:
         """Copy a page into the host tier once its transfer came back ``wanted`` (a save
@@ -410,8 +428,10 @@ class KvService:
             self._inflight += 1
             self._add(n)
 
-    def _loaded(self, fut: Future, nbytes: int, hit: Optional[dict[str, int]] = None) -> None:
+    def _loaded(self, fut: Future, nbytes: int, t0: float, ns: Namespace, hit: Optional[dict[str, int]] = None) -> None:
         status = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        if self.metrics is not None:
+            self.metrics.observe("load", ns, time.perf_counter() - t0)
         with self._lock:
             self._inflight -= 1
             if status is LoadStatus.LOADED:
@@ -419,8 +439,10 @@ class KvService:
             else:
                 self._add({"loads_failed": 1})
 
-    def _saved(self, fut: Future, nbytes: int) -> None:
+    def _saved(self, fut: Future, nbytes: int, t0: float, ns: Namespace) -> None:
         status = None if fut.cancelled() or fut.exception() is not None else fut.result()
+        if self.metrics is not None:
+            self.metrics.observe("save", ns, time.perf_counter() - t0)
         with self._lock:
             self._inflight -= 1
             if status is SaveStatus.PUBLISHED:
@@ -521,6 +543,14 @@ class Lineage:
         """The parent last learnt for ``key``, or None."""
         with self._lock:
             return self._parent.get(key)
+
+
+def _flush_at_exit(ref: "weakref.ref[KvService]") -> None:
+    """At interpreter exit: write the counter file of a service still alive (never raises)."""
+    service = ref()
+    if service is not None:
+        with contextlib.suppress(Exception):
+            service.flush_stats(force=True)
 
 
 def _counted(fut: Future, count: Callable[[Future], None]) -> Future:

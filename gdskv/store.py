@@ -305,6 +305,7 @@ class Namespace:
             return None
         self._unusable.pop(path, None)
         self.counters.add("quarantined")
+        self.counters.add(f"quarantined_{reason}")  # corrupt chunks by reason (gdskv.metrics)
         return dest
 
 

@@ -8,7 +8,9 @@ import sys
 
 
 def test_demo_round_trips_and_serves_the_prefix(tmp_path):
-    env = dict(os.environ, GDSKV_STORE=str(tmp_path / "store"), COLUMNS="200")
+    """Its stdout is a pipe, as in a log or CI: no line may wrap inside a figure (issue 15)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["GDSKV_STORE"] = str(tmp_path / "store")
     out = subprocess.run([sys.executable, "-m", "gdskv.cli.main", "demo", "--pages-per-prompt", "4", "--page-bytes", "65536", "--system-tokens", "96"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -19,3 +21,6 @@ def test_demo_round_trips_and_serves_the_prefix(tmp_path):
     assert re.search(r"run 1: .*served from the store \[0, 0\]", text)
     assert re.search(r"run 2: .*served from the store \[128, 128\]", text)
     assert "outputs identical" in text and "OK:" in text
+    for phase in ("save", "load"):  # each phase's figures on one line, however long
+        assert re.search(rf"^   {phase}: .* MiB in \d+ ms = \d+\.\d\d GB/s  engine: \S+", text, re.M), text
+    assert "\x1b[" not in text

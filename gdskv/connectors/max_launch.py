@@ -4,7 +4,9 @@ lets MAX re-execute the interpreter with jemalloc first, as the launcher does; i
 installs the hook (a spawned MAX worker re-imports it)."""
 from __future__ import annotations
 
-if __name__ == "__main__":
+import importlib.util
+
+if __name__ == "__main__" and importlib.util.find_spec("max") is not None:
     from max._entrypoints.allocator import reexec_with_jemalloc
 
     reexec_with_jemalloc()

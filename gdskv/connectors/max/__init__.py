@@ -4,7 +4,7 @@ MAX's cache manager owns the device pages, their allocation and the on-device pr
 asks a connector which blocks an external tier holds (``lookup``), has it read blocks into pages
 (``load``) and write committed pages out (``offload``). ``GdsKvConnector`` answers from gdskv's
 store through ``gdskv.service.KvService`` (``docs/max.md`` says how to run it,
-``../shared/spec/max-kvconnector.md`` is the contract):
+MAX's ``max.pipelines.kv_cache.connectors.KVConnector`` is the contract):
 
 - **Leaves are layer groups.** Each leaf MAX names is a layer group of one store namespace (sorted
   leaf ids numbered 0, 1, ...; the ids and their attention shapes are part of the namespace), so

@@ -1,4 +1,4 @@
-"""``GdsKvConnector``: the KVConnector protocol (``../shared/spec/max-kvconnector.md``) over
+"""``GdsKvConnector``: the KVConnector protocol (MAX's ``max.pipelines.kv_cache.connectors.KVConnector``) over
 ``gdskv.service.KvService``. Translates MAX's calls and types; the decisions are the planner's
 (``held_everywhere``, ``store_shards`` / ``shard_routes``, ``plan_offload``), the store, leases,
 lineage and transfers the service's.

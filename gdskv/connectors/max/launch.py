@@ -14,24 +14,34 @@ worker with multiprocessing's ``spawn``, which re-imports the parent's main modu
 the shim that imports it) in the worker, so the worker's cache manager gets the hook as well,
 with no ``.pth`` file. The store comes from gdskv's config (``GDSKV_CONFIG`` / ``GDSKV_STORE``);
 when the config has no ``model_id``, ``main`` sets ``GDSKV_MAX_MODEL`` from ``--model-path`` /
-``--model`` for this process and its workers.
+``--model`` for this process and its workers. Where MAX is not installed, every invocation
+(``--help`` too) is one line on stderr and exit 2.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
-if __name__ == "__main__":
+
+MISSING = "gdskv-max runs Modular MAX's CLI with gdskv's connector, and MAX is not installed in this Python (see docs/max.md)"
+HAS_MAX = importlib.util.find_spec("max") is not None
+
+if __name__ == "__main__" and HAS_MAX:
     from max._entrypoints.allocator import reexec_with_jemalloc
 
     reexec_with_jemalloc()
 
-from gdskv.connectors.max.wiring import ENV_MODEL, install, model_from_argv  # noqa: E402  (after the re-exec)
+if HAS_MAX:
+    from gdskv.connectors.max.wiring import ENV_MODEL, install, model_from_argv  # (after the re-exec)
 
-install()
+    install()
 
 
 def main() -> None:
     """Run MAX's CLI with the hook installed. Console entry point and ``-m`` target."""
+    if not HAS_MAX:
+        print(f"Error: {MISSING}", file=sys.stderr)
+        sys.exit(2)
     model = model_from_argv(sys.argv[1:])
     if model is not None:
         os.environ.setdefault(ENV_MODEL, model)

@@ -1,0 +1,162 @@
+"""The Prometheus endpoint of a serving process (a connector's scheduler or worker process).
+
+Off by default. With ``metrics_port`` set in the config, the first ``KvService`` a process brings
+up starts one HTTP server for the whole process (``/metrics`` on ``metrics_host``, port
+``metrics_port + tp_rank``, so the TP ranks of one node do not collide; ``metrics_port = 0`` picks
+a free port and logs it), and every service of the process registers with it (``attach``). A port
+that is taken is logged and the process serves without metrics: serving never fails for them.
+
+A scrape reads the counters of every namespace a registered service used (the same counters the
+store's ``stats/`` files persist, see ``gdskv.metrics.families``; kept after the service is gone,
+so a counter never goes back), the store's size (the byte budget's running figure, or a scan at
+most once a minute) and its file system's free space, and the latency histograms the services
+observe (``ServiceMetrics.observe``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import Metric
+
+from gdskv.metrics.families import LATENCY_BUCKETS, PREFIX, Labels, counter_families, store_gauges
+
+if TYPE_CHECKING:
+    from gdskv.service import KvService
+    from gdskv.store import Counters, Namespace, PageStore
+
+log = logging.getLogger(__name__)
+
+STORE_SCAN_SECONDS = 60.0
+"""How old a scanned store size may be when no byte budget keeps a running figure."""
+OPERATIONS = ("lookup", "load", "save")
+
+
+def engine_of(module: Optional[str]) -> str:
+    """The ``engine`` label of a service made by ``module``: ``gdskv.connectors.<engine>...`` ->
+    ``<engine>``; anything else (a script, a test) -> ``other``."""
+    parts = (module or "").split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["gdskv", "connectors"] else "other"
+
+
+@dataclass
+class ServiceMetrics:
+    """One service's handle on its process's metrics (``KvService.metrics``)."""
+
+    process: "ProcessMetrics"
+    engine: str
+
+    def observe(self, op: str, ns: "Namespace", seconds: float) -> None:
+        """One ``op`` (``OPERATIONS``) on ``ns`` took ``seconds``."""
+        self.process.latency.labels(self.engine, ns.id, str(ns.spec.tp_rank), op).observe(seconds)
+
+
+@dataclass
+class _StoreSize:
+    at: float = float("-inf")
+    nbytes: Optional[int] = None
+    chunks: Optional[int] = None
+
+
+@dataclass
+class ProcessMetrics:
+    """The process's registry, its HTTP server and the services that report through it."""
+
+    port: int
+    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+    counters: dict[int, tuple[Labels, "Counters"]] = field(default_factory=dict)
+    """Every registered namespace's counters, by ``id``."""
+    stores: "weakref.WeakValueDictionary[str, PageStore]" = field(default_factory=weakref.WeakValueDictionary)
+    _sizes: dict[str, _StoreSize] = field(default_factory=dict)
+    server: Any = None
+
+    def __post_init__(self) -> None:
+        self.latency = Histogram(f"{PREFIX}_operation_seconds", "Latency of lookups, page loads and page saves (from posting to done).",
+                                 ["engine", "namespace", "tp_rank", "op"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_Collector(self))
+
+    def register(self, service: "KvService", engine: str) -> None:
+        for ns in service.namespaces:
+            self.counters.setdefault(id(ns.counters), (Labels(ns.id, ns.spec.model, ns.spec.tp_rank, engine), ns.counters))
+        if service.store is not None:
+            self.stores.setdefault(str(service.store.root), service.store)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from counter_families([(labels, counters.snapshot()) for labels, counters in list(self.counters.values())])
+        for root, store in list(self.stores.items())[:1]:  # one store per process in practice
+            yield from self._store_gauges(root, store)
+
+    def _store_gauges(self, root: str, store: "PageStore") -> list[Metric]:
+        from gdskv.eviction import disk_usage, scan_store
+
+        try:
+            total, free = disk_usage(root)
+        except OSError:
+            total = free = None
+        size = self._sizes.setdefault(root, _StoreSize())
+        used = store.budget.used_bytes() if store.budget is not None and hasattr(store.budget, "used_bytes") else None
+        if used is not None:
+            size.nbytes = used
+        elif time.monotonic() - size.at > STORE_SCAN_SECONDS:
+            size.at = time.monotonic()
+            try:
+                table = scan_store(store, with_parents=False)
+                size.nbytes, size.chunks = table.total_bytes, len(table)
+            except (OSError, ValueError) as e:
+                log.debug("gdskv: metrics: could not scan %s: %s", root, e)
+        return store_gauges(size.nbytes, free, total, size.chunks)
+
+
+class _Collector:
+    def __init__(self, process: ProcessMetrics) -> None:
+        self._process = weakref.ref(process)
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration; collect() may name new counters any time
+
+    def collect(self) -> Iterator[Metric]:
+        process = self._process()
+        if process is not None:
+            yield from process.collect()
+
+
+_lock = threading.Lock()
+_process: Optional[ProcessMetrics] = None
+_refused: Optional[str] = None  # why this process serves no metrics (logged once)
+
+
+def attach(service: "KvService", engine: str) -> Optional[ServiceMetrics]:
+    """Register ``service`` with this process's metrics, starting the HTTP server on the first
+    call; None when ``metrics_port`` is unset or the server could not start. Called by
+    ``KvService`` at bring-up."""
+    global _process, _refused
+    cfg = service.cfg
+    if cfg.metrics_port is None:
+        return None
+    with _lock:
+        if _process is None and _refused is None:
+            port = cfg.metrics_port + service.spec.tp_rank if cfg.metrics_port else 0
+            process = ProcessMetrics(port)
+            try:
+                process.server, _ = start_http_server(port, addr=cfg.metrics_host, registry=process.registry)
+            except OSError as e:
+                _refused = f"{cfg.metrics_host}:{port}: {e.strerror or e}"
+                log.warning("gdskv: metrics_port: cannot serve metrics on %s; serving without metrics", _refused)
+                return None
+            process.port = process.server.server_address[1]
+            log.info("gdskv: Prometheus metrics on http://%s:%d/metrics", cfg.metrics_host, process.port)
+            _process = process
+        if _process is None:
+            return None
+        _process.register(service, engine)
+        return ServiceMetrics(_process, engine)
+
+
+def serving_port() -> Optional[int]:
+    """The port this process serves metrics on, or None."""
+    return _process.port if _process is not None else None
