@@ -219,15 +219,17 @@ def test_store_bench_runs_and_reports_ratios(driver: str, tmp_path: Path) -> Non
     """``gdskv bench`` end to end on a few MiB: every subject measured, pages verified, ratios."""
     from gdskv.bench import BenchOptions, format_report, run
 
-    options = BenchOptions(directory=str(tmp_path), total_bytes=4 * MiB, page_sizes=(1 * MiB,), rounds=1,
-                           engines=("posix", "posix+o_direct", "posix+direct_writes", "kvikio"))
+    options = BenchOptions(directory=str(tmp_path), total_bytes=4 * MiB, page_sizes=(1 * MiB, 64 * KiB), rounds=1,
+                           engines=("posix", "posix+o_direct", "posix+direct_writes", "kvikio"),
+                           pools=("torch", "hugepage"), peers=())
     report = run(options)
-    subjects = {row["subject"] for row in report["results"]}
-    assert subjects == {"raw", "raw+o_direct", "torch.save", "store:posix", "store:posix+o_direct",
-                        "store:posix+direct_writes", "store:kvikio"}
-    store_row = next(r for r in report["results"] if r["subject"] == "store:kvikio")
+    subjects = {row["subject"] for row in report["results"] if row["page_bytes"] == 64 * KiB}
+    stores = {f"store:{e}@{p}" for e in options.engines for p in options.pools}
+    assert subjects == {"ceiling", "raw", "raw+o_direct", "torch.save"} | stores
+    store_row = next(r for r in report["results"] if r["subject"] == "store:kvikio@torch")
     assert set(store_row["vs_raw"]) == {"save", "load_cold", "load_warm"} and store_row["save_gbps"] > 0
-    assert "store:kvikio" in format_report(report)
+    assert store_row["vs_ceiling"] > 0 and "vs_vllm" not in store_row
+    assert "store:kvikio@hugepage" in format_report(report)
     assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself
 
 
