@@ -9,9 +9,7 @@ backend; O_DIRECT as its ``use_odirect`` setting says.
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 
 CHUNK = 256
@@ -117,25 +115,7 @@ class Driver:
         return {}
 
 
-def main() -> None:
-    try:
-        driver = Driver()
-    except Exception as exc:
-        print(json.dumps({"error": f"cannot drive LMCache: {exc!r}"}), flush=True)
-        return
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        if op == "quit":
-            break
-        try:
-            print(json.dumps({"ok": True, **getattr(driver, op)(**cmd)}), flush=True)
-        except Exception as exc:
-            import traceback
-            traceback.print_exc()
-            print(json.dumps({"error": f"{op}: {exc!r}"}), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    from driver_loop import serve
+
+    serve(Driver, "LMCache")

@@ -11,10 +11,8 @@ same buffer layout: ``[source pages | target pages]``.
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
 import os
-import sys
 import time
 from types import SimpleNamespace
 
@@ -87,23 +85,7 @@ class Driver:
         return {}
 
 
-def main() -> None:
-    try:
-        driver = Driver()
-    except Exception as exc:  # vLLM missing or changed: the bench prints this as the reason
-        print(json.dumps({"error": f"cannot drive vLLM's fs tier: {exc!r}"}), flush=True)
-        return
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd.pop("op")
-        if op == "quit":
-            break
-        try:
-            print(json.dumps({"ok": True, **getattr(driver, op)(**cmd)}), flush=True)
-        except Exception as exc:
-            print(json.dumps({"error": f"{op}: {exc!r}"}), flush=True)
-
-
 if __name__ == "__main__":
-    main()
+    from driver_loop import serve
+
+    serve(Driver, "vLLM's fs tier")
