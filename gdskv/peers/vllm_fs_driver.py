@@ -60,7 +60,7 @@ class Driver:
                 want.discard(r.job_id)
                 failed += not r.success
             if want:
-                time.sleep(0.0002)
+                time.sleep(0.002)
         if failed:
             raise RuntimeError(f"{failed} vLLM tier jobs failed")
 
