@@ -34,7 +34,7 @@ def plot(report: dict[str, Any], out: str) -> None:
         for i, row in enumerate(rows):
             ax.bar([k + i * width for k in range(len(kinds))], [row[f"{k}_gbps"] for k, _ in kinds], width, label=row["subject"])
         ax.set_xticks([k + width * (len(rows) - 1) / 2 for k in range(len(kinds))], [label for _, label in kinds])
-        ax.set_title(f"{size >> 20} MiB pages")
+        ax.set_title(f"{size >> 20} MiB pages" if size >= 1 << 20 else f"{size >> 10} KiB pages")
         ax.set_ylabel("GB/s")
         ax.legend(fontsize="small")
     fig.tight_layout()

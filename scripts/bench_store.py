@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Store save/load GB/s against raw sequential I/O and torch.save files: ``gdskv.bench``.
 
-    python scripts/bench_store.py [--dir DIR] [--total 1G] [--page-size 1M|4M ...] [--json]
+    python scripts/bench_store.py [--dir DIR] [--total 1G] [--page-size 256K ...] [--pool torch|hugepage ...] [--peers vllm,lmcache] [--json]
 
 ``--driver-double`` (this script only, for development machines without a GPU) loads the test
 double of the CUDA driver from ``tests/fakecuda`` first, so the kvikio engine runs in compat mode

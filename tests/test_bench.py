@@ -32,3 +32,44 @@ def test_chunk_writer_publishes_chunks_a_load_verifies(tmp_path: Path) -> None:
     finally:
         xfer.close()
         engine.close()
+
+
+def test_a_peer_without_its_virtualenv_is_left_out_with_the_reason(tmp_path: Path, monkeypatch) -> None:
+    """vLLM's virtualenv is never made by the bench: where it is missing, the run goes on without
+    it and the report says why."""
+    from gdskv.bench import BenchOptions, format_report, run
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    report = run(BenchOptions(directory=str(tmp_path), total_bytes=256 << 10, page_sizes=(64 << 10,), rounds=1,
+                              engines=("posix+o_direct",), peers=("vllm",), baselines=False))
+    assert "no usable virtualenv" in report["skipped"]["peer vllm"]
+    assert [r["subject"] for r in report["results"]] == ["store:posix+o_direct@torch"]
+    assert "peer vllm left out" in format_report(report)
+
+
+def test_the_peer_driver_loop_answers_each_command_and_reports_failures(tmp_path: Path) -> None:
+    """The drivers' command loop, in a real process: ready, one answer per command, an error
+    answer (not a dead process) when a command fails."""
+    import json
+    import subprocess
+    import sys
+
+    import gdskv.peers
+
+    script = tmp_path / "toy_driver.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(gdskv.peers.__file__).parent)!r})\n"
+        "from driver_loop import serve\n"
+        "class Toy:\n"
+        "    def add(self, a, b): return {'sum': a + b}\n"
+        "    def fail(self): raise OSError('disk gone')\n"
+        "serve(Toy, 'toy')\n")
+    cmds = [{"op": "add", "a": 2, "b": 3}, {"op": "fail"}, {"op": "add", "a": 1, "b": 1}, {"op": "quit"}]
+    out = subprocess.run([sys.executable, str(script)], input="".join(json.dumps(c) + "\n" for c in cmds),
+                         capture_output=True, text=True, timeout=60).stdout.splitlines()
+    answers = [json.loads(line) for line in out]
+    assert answers[0] == {"ready": True}
+    assert answers[1] == {"ok": True, "sum": 5}
+    assert "disk gone" in answers[2]["error"]
+    assert answers[3] == {"ok": True, "sum": 2}

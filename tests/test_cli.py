@@ -320,10 +320,11 @@ def test_prewarm_usage(tmp_path: Path) -> None:
 
 # --- bench ----------------------------------------------------------------------------------------
 def test_bench_runs_the_store_benchmark(tmp_path: Path) -> None:
-    res = run(tmp_path / "store", "bench", "--total", "2M", "--page-size", "1M", "--rounds", "1", "--engines", "posix", "--json")
+    res = run(tmp_path / "store", "bench", "--total", "2M", "--page-size", "1M", "--rounds", "1", "--engines", "posix",
+              "--peers", "", "--json")
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
-    assert {r["subject"] for r in rep["results"]} >= {"store:posix", "raw"}
+    assert {r["subject"] for r in rep["results"]} >= {"store:posix@torch", "raw", "ceiling"}
 
 
 def test_bench_plot_needs_matplotlib(tmp_path: Path) -> None:
@@ -332,7 +333,7 @@ def test_bench_plot_needs_matplotlib(tmp_path: Path) -> None:
     except ImportError:
         assert run(tmp_path / "store", "bench", "--plot", str(tmp_path / "o.png")).exit_code == 2
         return
-    res = run(tmp_path / "store", "bench", "--plot", str(tmp_path / "o.png"), "--total", "2M", "--page-size", "1M", "--rounds", "1", "--engines", "posix")
+    res = run(tmp_path / "store", "bench", "--plot", str(tmp_path / "o.png"), "--total", "2M", "--page-size", "1M", "--rounds", "1", "--engines", "posix", "--peers", "")
     assert res.exit_code == 0 and (tmp_path / "o.png").stat().st_size > 0
 
 

@@ -219,15 +219,17 @@ def test_store_bench_runs_and_reports_ratios(driver: str, tmp_path: Path) -> Non
     """``gdskv bench`` end to end on a few MiB: every subject measured, pages verified, ratios."""
     from gdskv.bench import BenchOptions, format_report, run
 
-    options = BenchOptions(directory=str(tmp_path), total_bytes=4 * MiB, page_sizes=(1 * MiB,), rounds=1,
-                           engines=("posix", "posix+o_direct", "posix+direct_writes", "kvikio"))
+    options = BenchOptions(directory=str(tmp_path), total_bytes=4 * MiB, page_sizes=(1 * MiB, 64 * KiB), rounds=1,
+                           engines=("posix", "posix+o_direct", "posix+direct_writes", "kvikio"),
+                           pools=("torch", "hugepage"), peers=())
     report = run(options)
-    subjects = {row["subject"] for row in report["results"]}
-    assert subjects == {"raw", "raw+o_direct", "torch.save", "store:posix", "store:posix+o_direct",
-                        "store:posix+direct_writes", "store:kvikio"}
-    store_row = next(r for r in report["results"] if r["subject"] == "store:kvikio")
+    subjects = {row["subject"] for row in report["results"] if row["page_bytes"] == 64 * KiB}
+    stores = {f"store:{e}@{p}" for e in options.engines for p in options.pools}
+    assert subjects == {"ceiling", "raw", "raw+o_direct", "torch.save"} | stores
+    store_row = next(r for r in report["results"] if r["subject"] == "store:kvikio@torch")
     assert set(store_row["vs_raw"]) == {"save", "load_cold", "load_warm"} and store_row["save_gbps"] > 0
-    assert "store:kvikio" in format_report(report)
+    assert store_row["vs_ceiling"] > 0 and "vs_vllm" not in store_row
+    assert "store:kvikio@hugepage" in format_report(report)
     assert list(tmp_path.iterdir()) == []  # the bench cleans up after itself
 
 
@@ -588,3 +590,25 @@ def test_kvikio_register_buffers_goes_through_kvikio_once_per_allocation(driver:
         KvikioEngine(threads=4, task_size=1 * MiB).close()
     assert calls[2:] == [("deregister", k_pool.data_ptr()), ("deregister", v_pool.data_ptr())]
     assert engine.registered_buffers == 0
+
+
+def test_o_direct_writes_open_a_direct_descriptor_only_for_memory_that_can_use_it(tmp_path: Path, monkeypatch) -> None:
+    """Plain torch CPU tensors (64-byte aligned) cannot go O_DIRECT: their saves open no second
+    descriptor and preallocate nothing (a page's bytes are identical either way); page-aligned
+    memory does go direct."""
+    engine = PosixEngine(threads=1, o_direct=True)
+    opened = []
+    real = engine._open_direct
+    monkeypatch.setattr(engine, "_open_direct", lambda fd, path: opened.append(path) or real(fd, path))
+    raw = torch.empty(64 * KiB + 8192, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 4096 + 64  # 64 bytes past a page boundary, as torch's allocator hands out
+    plain = raw[start:start + 64 * KiB]
+    plain.copy_(torch.arange(64 * KiB) % 251)
+    aligned = torch.frombuffer(aligned_host_buffer(64 * KiB), dtype=torch.uint8)
+    aligned.copy_(plain)
+    trailer = bytes(range(100))
+    for name, page in (("plain", plain), ("aligned", aligned)):
+        engine.write_now(str(tmp_path / name), [Segment(0, page), Segment(64 * KiB, trailer)])
+        assert (tmp_path / name).read_bytes() == bytes(plain.numpy()) + trailer
+    assert opened == [str(tmp_path / "aligned")]
+    engine.close()

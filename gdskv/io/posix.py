@@ -141,7 +141,7 @@ class PosixEngine(IoEngine):
         fd = open_data_file(path, write=True, mode=self.file_mode)
         dfd = None
         try:
-            dfd = self._open_direct(fd, path) if self.o_direct else None
+            dfd = self._open_direct(fd, path) if self.o_direct and any(map(_direct_writable, segments)) else None
             if dfd is not None and segments:
                 _preallocate(fd, path, max(seg.file_offset + seg.nbytes for seg in segments))
             views = _host_views_end_to_end(segments) if dfd is None else None
@@ -212,6 +212,17 @@ def _aligned(view: memoryview, file_offset: int) -> bool:
     if view.readonly or not view.nbytes or view.nbytes % ALIGN or file_offset % ALIGN:
         return False
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
+
+
+def _direct_writable(seg: Segment) -> bool:
+    """Whether ``write_now`` would move this segment with O_DIRECT: aligned offset and length,
+    and aligned host memory or device memory (staged through the aligned staging buffer). A call
+    with none (a plain torch CPU pool: 64-byte-aligned memory) opens no O_DIRECT descriptor and
+    preallocates nothing: two system calls and a file-system round trip per page saved."""
+    nbytes = seg.nbytes
+    if not nbytes or nbytes % ALIGN or seg.file_offset % ALIGN:
+        return False
+    return _on_device(seg.buf) or _aligned(host_view(seg.buf), seg.file_offset)
 
 
 def _preallocate(fd: int, path: str, nbytes: int) -> None:

@@ -1,0 +1,117 @@
+"""``PageTransfer.save_pages`` / ``load_pages``: a step's pages as one batch on real files. One
+future per page, in order; at most ``depth`` pages in flight; the readiness waited on by every
+thread that moves a page, before it moves one; a bad or missing chunk is that page's miss only."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from gdskv.io.posix import PosixEngine
+from gdskv.keys import chain_keys
+from gdskv.store import GroupSpec, NamespaceSpec, PageStore
+from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
+
+KEYS = chain_keys(list(range(16 * 24)), 16, "batch")
+PAGE = 8192 + 100
+
+
+def make(store_path: str, depth: int = 3) -> PageTransfer:
+    ns = PageStore.open(store_path).namespace(NamespaceSpec("batch/m", "float16", 16, (GroupSpec(0, PAGE, (0,)),)))
+    return PageTransfer(ns, PosixEngine(threads=1, o_direct=True), threads=depth)
+
+
+def pool(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_batch_round_trips_with_one_future_per_page_in_order(store_path):
+    x = make(store_path)
+    src, dst = pool(24, 1), torch.zeros(24, PAGE, dtype=torch.uint8)
+    saved = x.save_pages(0, [(KEYS[i], KEYS[i - 1] if i else None, [src[i]]) for i in range(24)])
+    assert [f.result() for f in saved] == [SaveStatus.PUBLISHED] * 24
+    again = x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(3)])
+    assert [f.result() for f in again] == [SaveStatus.EXISTS] * 3
+    loaded = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(24)])
+    assert [f.result() for f in loaded] == [LoadStatus.LOADED] * 24
+    assert torch.equal(src, dst)
+    x.close()
+
+
+def test_a_missing_or_corrupt_chunk_is_a_miss_of_its_own_page_only(store_path):
+    x = make(store_path)
+    src, dst = pool(6, 2), torch.zeros(6, PAGE, dtype=torch.uint8)
+    [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(5)])]
+    path = Path(x.ns.chunk_path(0, KEYS[2]))
+    raw = bytearray(path.read_bytes())
+    raw[11] ^= 1
+    path.write_bytes(bytes(raw))
+    got = [f.result() for f in x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(6)])]
+    assert got == [LoadStatus.LOADED, LoadStatus.LOADED, LoadStatus.CORRUPT, LoadStatus.LOADED,
+                   LoadStatus.LOADED, LoadStatus.MISSING]
+    for i in (0, 1, 3, 4):
+        assert torch.equal(dst[i], src[i])
+    x.close()
+
+
+class Gate:
+    """A readiness that blocks until released and records which threads waited on it."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.waited: set[int] = set()
+
+    def synchronize(self) -> None:
+        self.waited.add(threading.get_ident())
+        self.open.wait(10)
+
+
+def test_every_thread_waits_for_readiness_before_it_moves_a_page_and_depth_bounds_the_threads(store_path, monkeypatch):
+    x = make(store_path, depth=3)
+    src = pool(20, 3)
+    [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(20)])]
+    movers: set[int] = set()
+    active, peak = [0], [0]
+    lock = threading.Lock()
+    gate = Gate()
+    real = x.engine.read_now
+
+    def read_now(path, segs):
+        assert gate.open.is_set(), "a page moved before its readiness"
+        with lock:
+            movers.add(threading.get_ident())
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            time.sleep(0.002)
+            return real(path, segs)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(x.engine, "read_now", read_now)
+    dst = torch.zeros(20, PAGE, dtype=torch.uint8)
+    futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(20)], ready=gate)
+    time.sleep(0.05)
+    assert not any(f.done() for f in futures)
+    gate.open.set()
+    assert [f.result() for f in futures] == [LoadStatus.LOADED] * 20
+    assert torch.equal(dst, src)
+    assert movers <= gate.waited and 1 <= peak[0] <= 3
+    x.close()
+
+
+def test_a_cancelled_page_of_a_batch_is_skipped(store_path):
+    x = make(store_path, depth=1)
+    src = pool(4, 4)
+    [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(4)])]
+    gate = Gate()
+    dst = torch.zeros(4, PAGE, dtype=torch.uint8)
+    futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(4)], ready=gate)
+    assert futures[3].cancel()
+    gate.open.set()
+    assert [f.result() for f in futures[:3]] == [LoadStatus.LOADED] * 3
+    assert futures[3].cancelled() and not dst[3].any()
+    x.close()
