@@ -3,8 +3,10 @@
 Lines of fenced ``sh``/``bash`` blocks are run or checked by what they start with:
 
 - ``gdskv ...``: run for real (``gdskv --store <a store built here>``, in a directory holding a
-  ``prompts/``); only ``gdskv demo`` is checked by parsing (``demo --help``: its end-to-end run is
-  tests/test_demo.py);
+  ``prompts/``); only ``gdskv demo`` and ``--remote`` lines are checked by parsing (their ``--help``:
+  their real runs are tests/test_demo.py and tests/test_remote_cli.py, against moto's S3 server);
+- ``cat > FILE.toml <<'EOF'`` here-documents: the body loads as a gdskv config; ``minio``, ``mc``,
+  ``aws`` (making a bucket) and ``export AWS_...``: the tool and subcommand, the variable names;
 - ``python -m gdskv.connectors.max_launch ...`` / ``gdskv-max ...``: run as written; without MAX
   installed (here) the documented answer is one line and exit 2;
 - lines that need the network or an engine server (``pip install``, ``python3 -m venv``,
@@ -56,6 +58,13 @@ def fenced_lines(path: Path) -> list[tuple[str, str]]:
         if not buf:
             start = n
         buf = f"{buf}\n{raw}" if buf else raw
+        heredoc = re.search(r"<<'?(\w+)'?\s*$", buf.split("\n")[0])
+        if heredoc and raw != heredoc.group(1):  # a here-document: its body up to the end word
+            continue
+        if heredoc:
+            out.append((f"{path.name}:{start}", buf))
+            buf = ""
+            continue
         if buf.endswith("\\"):
             buf = buf[:-1]
             continue
@@ -98,6 +107,10 @@ def _gdskv(workspace: Path, args: list[str]) -> None:
     if args[:1] == ["demo"]:  # the end-to-end run is tests/test_demo.py
         res = CliRunner().invoke(main, ["demo", "--help"])
         assert res.exit_code == 0, res.output
+        return
+    if "--remote" in args:  # needs a bucket: run for real against moto's S3 server in tests/test_remote_cli.py
+        res = CliRunner().invoke(main, [args[0], "--help"])
+        assert res.exit_code == 0 and "--remote" in res.output, res.output
         return
     cwd = os.getcwd()
     os.chdir(workspace)
@@ -168,15 +181,35 @@ def _vllm_server(args: list[str]) -> None:
     assert conf["kv_load_failure_policy"] in ("recompute", "fail")
 
 
+AWS_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION")
+"""The standard credential variables docs/remote.md tells users to set (gdskv reads them through obstore)."""
+S3_SETUP = {"minio": ("server",), "mc": ("alias", "mb"), "aws": ("s3",)}
+"""The object-store tools docs/remote.md uses to make a bucket, and their subcommands."""
+
+
 def _export(args: list[str]) -> None:
-    name, _, value = args[1].partition("=")
-    assert name in ("GDSKV_STORE", "GDSKV_CONFIG"), name
-    assert value
+    for assignment in args[1:]:
+        name, _, value = assignment.partition("=")
+        assert name in ("GDSKV_STORE", "GDSKV_CONFIG", *AWS_VARIABLES), name
+        assert value
+
+
+def _heredoc_config(line: str, workspace: Path) -> None:
+    """``cat > FILE <<'EOF'`` (or ``>>``) with a gdskv TOML body: the body must load as a config."""
+    first, *body, _end = line.splitlines()
+    args = shlex.split(first.split("<<")[0])
+    assert args[0] == "cat" and args[1] in (">", ">>") and args[2].endswith(".toml"), first
+    path = workspace / "heredoc.toml"
+    path.write_text("\n".join(body) + "\n")
+    load_config(str(path))
 
 
 def check_line(line: str, workspace: Path) -> str:
     """Run or check one documented line; what was done (``ran`` / ``parsed``)."""
     done = "parsed"
+    if "\n" in line and "<<" in line.splitlines()[0]:
+        _heredoc_config(line, workspace)
+        return done
     for part in (p.strip() for p in line.split("&&")):
         args = shlex.split(part, comments=True)
         if args[0] == "gdskv":
@@ -201,6 +234,8 @@ def check_line(line: str, workspace: Path) -> str:
             assert len(args) == 3 and ">" in line and args[1] in line.split("&&")[0], line
         elif args[0] == "export":
             _export(args)
+        elif args[0] in S3_SETUP:
+            assert args[1] in S3_SETUP[args[0]], part
         else:
             raise AssertionError(f"no rule checks this documented line; add one to tests/test_docs.py: {part}")
     return done
