@@ -318,16 +318,39 @@ class KvService:
         transfer = self.transfers.get(rank)
         if transfer is None:
             return None
-        segments = list(segments)
+        return self.load_many(group, [(key, segments)], ready, shard)[0]
+
+    def load_many(self, group: int, items: Sequence[tuple[bytes, Sequence[Any]]], ready: Optional[Any] = None,
+                  shard: Optional[int] = None) -> list[Optional["Future[LoadStatus]"]]:
+        """``load`` for a step's pages of one layer group at once (``(key, segments)`` each, one
+        ``ready`` for all), as the workers post them at ``start_load_kv``: host-tier hits are
+        served page by page, the rest go to the transfer as one batch (a few thread hand-offs,
+        not one per page). One future per page, in order."""
+        rank = self.spec.tp_rank if shard is None else shard
+        transfer = self.transfers.get(rank)
+        if transfer is None:
+            return [None] * len(items)
         t0 = time.perf_counter()
         nbytes = self.bytes_per_page(group)
-        if self.host is not None:
-            fut = self._load_from_host(rank, group, key, segments, ready, nbytes, t0)
-            if fut is not None:
-                return fut
-        self._posted(loads_posted=1)
-        fut = transfer.load_page(group, key, segments, ready=ready)
-        return _counted(fut, lambda f: (self._fill(f, LoadStatus.LOADED, rank, group, key, segments), self._loaded(f, nbytes, t0, transfer.ns)))
+        out: list[Optional[Future]] = [None] * len(items)
+        disk: list[tuple[int, bytes, list[Any]]] = []
+        for i, (key, segments) in enumerate(items):
+            segments = list(segments)
+            if self.host is not None:
+                out[i] = self._load_from_host(rank, group, key, segments, ready, nbytes, t0)
+                if out[i] is not None:
+                    continue
+            disk.append((i, key, segments))
+        if not disk:
+            return out
+        with self._lock:
+            self._inflight += len(disk)
+            self._add({"loads_posted": len(disk)})
+        futures = transfer.load_pages(group, [(key, segments) for _, key, segments in disk], ready=ready)
+        for (i, key, segments), fut in zip(disk, futures):
+            out[i] = _counted(fut, lambda f, key=key, segments=segments: (
+                self._fill(f, LoadStatus.LOADED, rank, group, key, segments), self._loaded(f, nbytes, t0, transfer.ns)))
+        return out
 
     def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
              ready: Optional[Any] = None, shard: Optional[int] = None) -> Optional["Future[SaveStatus]"]:
@@ -339,14 +362,30 @@ class KvService:
         transfer = self.transfers.get(rank)
         if transfer is None:
             return None
-        segments = list(segments)
+        return self.save_many(group, [(key, parent, segments)], ready, shard)[0]
+
+    def save_many(self, group: int, items: Sequence[tuple[bytes, Optional[bytes], Sequence[Any]]],
+                  ready: Optional[Any] = None, shard: Optional[int] = None) -> list[Optional["Future[SaveStatus]"]]:
+        """``save`` for a step's pages of one layer group at once (``(key, parent, segments)``
+        each, one ``ready`` for all), as the workers post them after a group's layers: one batch
+        for the transfer (a few thread hand-offs, not one per page). One future per page, in order."""
+        rank = self.spec.tp_rank if shard is None else shard
+        transfer = self.transfers.get(rank)
+        if transfer is None:
+            return [None] * len(items)
+        items = [(key, parent, list(segments)) for key, parent, segments in items]
         t0 = time.perf_counter()
-        fut = transfer.save_page(group, key, parent, segments, ready=ready)
-        if self.remote is not None:
-            fut = self.remote.after_save(transfer.ns, group, key, fut)
         nbytes = self.bytes_per_page(group)
-        self._posted(saves_posted=1)
-        return _counted(fut, lambda f: (self._fill(f, SaveStatus.PUBLISHED, rank, group, key, segments), self._saved(f, nbytes, t0, transfer.ns)))
+        with self._lock:
+            self._inflight += len(items)
+            self._add({"saves_posted": len(items)})
+        out: list[Optional[Future]] = []
+        for (key, _, segments), fut in zip(items, transfer.save_pages(group, items, ready=ready)):
+            if self.remote is not None:
+                fut = self.remote.after_save(transfer.ns, group, key, fut)
+            out.append(_counted(fut, lambda f, key=key, segments=segments: (
+                self._fill(f, SaveStatus.PUBLISHED, rank, group, key, segments), self._saved(f, nbytes, t0, transfer.ns))))
+        return out
 
     def _load_from_host(self, rank: int, group: int, key: bytes, segments: list[Any], ready: Optional[Any],
                         nbytes: int, t0: float) -> Optional[Future]:

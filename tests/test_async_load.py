@@ -83,21 +83,22 @@ def test_other_requests_keep_decoding_while_a_prefix_loads(tmp_path):
     save_long(store)
     engine, _, workers = stack(store)
     gate = threading.Event()
-    load = workers[0].service.load
+    load_many = workers[0].service.load_many
 
-    def held_load(*args: Any, **kwargs: Any) -> Future:
-        """The real load, whose completion is reported only once ``gate`` opens."""
-        real = load(*args, **kwargs)
-        out: Future = Future()
+    def held_loads(*args: Any, **kwargs: Any) -> list[Future]:
+        """The real loads, whose completion is reported only once ``gate`` opens."""
+        real = load_many(*args, **kwargs)
+        out: list[Future] = [Future() for _ in real]
 
         def relay() -> None:
             gate.wait(30)
-            out.set_result(real.result())
+            for fut, done in zip(out, real):
+                fut.set_result(done.result())
 
         threading.Thread(target=relay, daemon=True).start()
         return out
 
-    workers[0].service.load = held_load  # type: ignore[method-assign]
+    workers[0].service.load_many = held_loads  # type: ignore[method-assign]
 
     def open_gate_after_steps() -> None:
         while len(engine.step_log) < 12:

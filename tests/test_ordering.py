@@ -149,9 +149,9 @@ class LoggingEngine:
 
 def drop_readiness(monkeypatch, transfer) -> None:
     """The negative control: this ``PageTransfer`` gets ``ready=None`` whatever it is passed."""
-    save, load = transfer.save_page, transfer.load_page
-    monkeypatch.setattr(transfer, "save_page", lambda group, key, parent, segments, ready=None: save(group, key, parent, segments))
-    monkeypatch.setattr(transfer, "load_page", lambda group, key, segments, ready=None: load(group, key, segments))
+    save, load = transfer.save_pages, transfer.load_pages  # save_page / load_page go through these
+    monkeypatch.setattr(transfer, "save_pages", lambda group, items, ready=None: save(group, items))
+    monkeypatch.setattr(transfer, "load_pages", lambda group, items, ready=None: load(group, items))
 
 
 def let_it_misbehave(fake: FakeOrdering, drop: bool) -> None:

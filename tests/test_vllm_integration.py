@@ -118,14 +118,15 @@ class Server:
 
 
 @contextmanager
-def serve(python: Path, model: Path, store: Path, work: Path, name: str) -> Iterator[Server]:
+def serve(python: Path, model: Path, store: Path, work: Path, name: str,
+          env_extra: Optional[dict[str, str]] = None) -> Iterator[Server]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "bfloat16", "--block-size", str(BLOCK), "--max-model-len", "1024",
            "--no-enable-prefix-caching", "--enforce-eager", "--kv-transfer-config", json.dumps(CONNECTOR)]
-    env = _env({"VLLM_CACHE_ROOT": str(work / "vllm-cache"), "GDSKV_STORE": str(store)})
+    env = _env({"VLLM_CACHE_ROOT": str(work / "vllm-cache"), "GDSKV_STORE": str(store), **(env_extra or {})})
     log_path = work / f"{name}.log"
     start = time.monotonic()
     with open(log_path, "w") as log:
@@ -221,3 +222,45 @@ def test_a_second_server_serves_the_prefix_from_the_store(vllm_python: Path, tin
     print(f"\nvLLM {VLLM_REQUIREMENT}: prompt {len(tokens)} tokens, {blocks} blocks of {BLOCK} served "
           f"({blocks * page} bytes); TTFT server 1 (computed) {first.ttft * 1000:.0f} ms, "
           f"server 2 (from the store) {second.ttft * 1000:.0f} ms; completion {first.text!r}")
+
+
+def test_a_node_with_an_empty_store_serves_the_prefix_from_the_bucket(vllm_python: Path, tiny_llama: Path,
+                                                                       tmp_path: Path):
+    """The remote tier (docs/remote.md) inside vLLM: node A (its own store) computes the prompt and
+    uploads its blocks to a bucket on moto's S3 server; node B, a second server with an empty
+    store of its own and the same bucket, serves the prefix from the bucket (read through into its
+    store) with node A's completion."""
+    from remote_helpers import BUCKET, CREDENTIALS, MotoEndpoint
+
+    endpoint = MotoEndpoint()
+    try:
+        def node(name: str) -> tuple[Path, dict[str, str]]:
+            store = tmp_path / name
+            cfg = tmp_path / f"{name}.toml"
+            cfg.write_text(f'[gdskv]\nstore_path = "{store}"\n[gdskv.remote]\nurl = "s3://{BUCKET}/fleet"\n'
+                           f'endpoint = "{endpoint.url}"\nupload = "through"\ntimeout = "10s"\n')
+            return store, {"GDSKV_CONFIG": str(cfg), **CREDENTIALS}
+
+        store_a, env_a = node("node-a")
+        with serve(vllm_python, tiny_llama, store_a, tmp_path, "node-a", env_a) as a:
+            tokens = a.tokens(PROMPT)
+            blocks = (len(tokens) - 1) // BLOCK
+            first = a.complete(PROMPT)
+            saved = _wait_stats(store_a, lambda s: s.get("remote_uploaded", 0) >= len(tokens) // BLOCK)
+        assert saved.get("remote_uploaded", 0) == len(tokens) // BLOCK, saved
+        assert len([k for k in endpoint.keys("fleet/") if "/c/" in k]) == len(tokens) // BLOCK
+
+        store_b, env_b = node("node-b")
+        with serve(vllm_python, tiny_llama, store_b, tmp_path, "node-b", env_b) as b:
+            second = b.complete(PROMPT)
+            served = _wait_stats(store_b, lambda s: s.get("loads_hit", 0) >= blocks)
+            third = b.complete(PROMPT)
+            again = _wait_stats(store_b, lambda s: _delta(s, served, "loads_hit") >= blocks)
+        assert second.text == first.text and third.text == first.text
+        assert served.get("remote_hits", 0) >= blocks and served.get("loads_hit", 0) == blocks, served
+        assert _delta(again, served, "remote_hits") == 0 and _delta(again, served, "loads_hit") == blocks  # local now
+    finally:
+        endpoint.stop()
+    print(f"\nvLLM with the remote tier: node B served {blocks} blocks from the bucket; TTFT node A (computed) "
+          f"{first.ttft * 1000:.0f} ms, node B first (bucket) {second.ttft * 1000:.0f} ms, "
+          f"second (local) {third.ttft * 1000:.0f} ms")

@@ -172,10 +172,12 @@ class GdsKvWorker(KvCacheConnectorWorker):
         ready = None
         for gid in self._group_layers:
             group = self._layout.group(gid)
-            for rid, op in meta.loads_of_group(gid):
-                if ready is None:  # kernels queued so far may still use the slots: loads wait for them
-                    ready = streams.record_ready(stream, [self._device])
-                fut = self.service.load(gid, op.key, page_segments(group, op.page_slot), ready=ready)
+            ops = list(meta.loads_of_group(gid))
+            if ops and ready is None:  # kernels queued so far may still use the slots: loads wait for them
+                ready = streams.record_ready(stream, [self._device])
+            futures = self.service.load_many(gid, [(op.key, page_segments(group, op.page_slot)) for _, op in ops],
+                                             ready=ready)
+            for (rid, op), fut in zip(ops, futures):
                 if rid in background:
                     self._async_loads.setdefault(rid, []).append(fut)
                     continue
@@ -280,19 +282,18 @@ class GdsKvWorker(KvCacheConnectorWorker):
             return
         failed = self._peers.failed_in(meta.step)
         group = self._layout.group(gid)
-        windowed = self._windows[gid] is not None
-        ready = None
+        batch: list[tuple[int, Any, list[Any]]] = []
         for rid, op in ops:
             if rid in failed:
                 self._suppressed += 1
-                continue
-            segments = page_segments(group, op.page_slot)
-            if windowed:  # the cache may reuse this page before the save reads it: save a copy
-                segments, page_ready = streams.snapshot(segments, stream, self._device)
-            else:  # the layers' KV must be in memory before the transfer thread reads it
-                if ready is None:
-                    ready = streams.record_ready(stream, [self._device])
-                page_ready = ready
-            fut = self.service.save(gid, op.key, op.parent_key, segments, ready=page_ready)
-            self._saves.setdefault(rid, []).append(fut)
+            elif self._windows[gid] is not None:  # the cache may reuse this page before the save reads it: a copy
+                segments, page_ready = streams.snapshot(page_segments(group, op.page_slot), stream, self._device)
+                self._saves.setdefault(rid, []).append(self.service.save(gid, op.key, op.parent_key, segments, ready=page_ready))
+            else:
+                batch.append((rid, op, page_segments(group, op.page_slot)))
+        if batch:  # the layers' KV must be in memory before the transfer threads read it
+            ready = streams.record_ready(stream, [self._device])
+            futures = self.service.save_many(gid, [(op.key, op.parent_key, s) for _, op, s in batch], ready=ready)
+            for (rid, _, _), fut in zip(batch, futures):
+                self._saves.setdefault(rid, []).append(fut)
 

@@ -66,8 +66,10 @@ class WorkerSide:
         ready = streams.record_ready(devices=[self.pool.device]) if meta.loads else None
         for rid, ops in meta.loads:
             posted = self._loads.setdefault(rid, [])
-            for op in ops:
-                posted.append((op.page_slot, self.service.load(op.layer_group_id, op.key, self.pool.segments(op.page_slot), ready=ready)))
+            for gid in dict.fromkeys(op.layer_group_id for op in ops):  # one batch per layer group
+                mine = [op for op in ops if op.layer_group_id == gid]
+                futures = self.service.load_many(gid, [(op.key, self.pool.segments(op.page_slot)) for op in mine], ready=ready)
+                posted.extend((op.page_slot, fut) for op, fut in zip(mine, futures))
 
     def post_saves(self, meta: Any) -> None:
         meta = self._fresh(meta)
