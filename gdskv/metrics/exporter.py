@@ -8,7 +8,7 @@ that is taken is logged and the process serves without metrics: serving never fa
 
 A scrape reads the counters of every namespace a registered service used (the same counters the
 store's ``stats/`` files persist, see ``gdskv.metrics.families``; kept after the service is gone,
-so a counter never goes back), the store's size (the byte budget's running figure, or a scan at
+so a counter never goes back), the store's size (the byte budget's running figure, else the chunk index or, without one, a scan, at
 most once a minute) and its file system's free space, and the latency histograms the services
 observe (``ServiceMetrics.observe``).
 """
@@ -71,7 +71,8 @@ class ProcessMetrics:
     registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
     counters: dict[int, tuple[Labels, "Counters"]] = field(default_factory=dict)
     """Every registered namespace's counters, by ``id``."""
-    stores: "weakref.WeakValueDictionary[str, PageStore]" = field(default_factory=weakref.WeakValueDictionary)
+    stores: "weakref.WeakValueDictionary[int, PageStore]" = field(default_factory=weakref.WeakValueDictionary)
+    """Every registered service's store, by ``id`` (a service's store may go before the others')."""
     _sizes: dict[str, _StoreSize] = field(default_factory=dict)
     server: Any = None
 
@@ -84,31 +85,35 @@ class ProcessMetrics:
         for ns in service.namespaces:
             self.counters.setdefault(id(ns.counters), (Labels(ns.id, ns.spec.model, ns.spec.tp_rank, engine), ns.counters))
         if service.store is not None:
-            self.stores.setdefault(str(service.store.root), service.store)
+            self.stores[id(service.store)] = service.store
 
     def collect(self) -> Iterator[Metric]:
         yield from counter_families([(labels, counters.snapshot()) for labels, counters in list(self.counters.values())])
-        for root, store in list(self.stores.items())[:1]:  # one store per process in practice
-            yield from self._store_gauges(root, store)
+        for store in list(self.stores.values())[:1]:  # one store per process in practice
+            yield from self._store_gauges(str(store.root), store)
 
     def _store_gauges(self, root: str, store: "PageStore") -> list[Metric]:
-        from gdskv.eviction import disk_usage, scan_store
+        from gdskv.eviction import catalog, disk_usage, scan_store
 
         try:
             total, free = disk_usage(root)
         except OSError:
             total = free = None
         size = self._sizes.setdefault(root, _StoreSize())
-        used = store.budget.used_bytes() if store.budget is not None and hasattr(store.budget, "used_bytes") else None
+        used = getattr(store.budget, "used_bytes", None) if store.budget is not None else None
         if used is not None:
             size.nbytes = used
         elif time.monotonic() - size.at > STORE_SCAN_SECONDS:
             size.at = time.monotonic()
-            try:
-                table = scan_store(store, with_parents=False)
-                size.nbytes, size.chunks = table.total_bytes, len(table)
+            try:  # the chunk index (milliseconds at any size); a store that never had a budget has none: walked
+                try:
+                    summary = catalog.totals(store)
+                    size.nbytes, size.chunks = summary.nbytes, summary.chunks
+                except catalog.CatalogMissing:
+                    table = scan_store(store, with_parents=False)
+                    size.nbytes, size.chunks = table.total_bytes, len(table)
             except (OSError, ValueError) as e:
-                log.debug("gdskv: metrics: could not scan %s: %s", root, e)
+                log.debug("gdskv: metrics: could not size %s: %s", root, e)
         return store_gauges(size.nbytes, free, total, size.chunks)
 
 
