@@ -11,6 +11,7 @@ session fixtures of tests/test_max_integration.py and tests/test_vllm_integratio
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -51,7 +52,10 @@ class EngineVenv:
                                                        env=self.env(), cwd="/").returncode == 0
 
     def engine_ready(self) -> bool:
-        deps = "import torch, zarr, numcodecs, click, rich, google_crc32c"
+        """The engine imports and every runtime dependency in ``pyproject.toml`` is installed
+        (a dependency added since the virtualenv was made gets installed, not missed)."""
+        names = [re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0] for d in gdskv_requirements()]
+        deps = f"import importlib.metadata as m; [m.version(n) for n in {names!r}]"
         return self._probe(f"{self.engine_probe}; {deps}")
 
     def gdskv_ready(self) -> bool:

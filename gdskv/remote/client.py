@@ -107,7 +107,11 @@ class ObjectClient:
     def __init__(self, rc: RemoteConfig, *, request_timeout: Optional[float] = None) -> None:
         """``request_timeout``: the HTTP client's own limit per request (default: the remote's
         ``timeout``, at least 1 s: the caller's deadline cuts a lookup shorter in any case)."""
-        from obstore.store import S3Store
+        try:
+            from obstore.store import S3Store
+        except ImportError as e:
+            raise RemoteSetupError(f"gdskv config: remote.url: the remote tier needs the obstore package, "
+                                   f"which this interpreter cannot import ({e}); pip install 'obstore>=0.8'") from None
 
         self.rc = rc
         per_request = timedelta(seconds=max(1.0, request_timeout if request_timeout is not None else rc.timeout))
