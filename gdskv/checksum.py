@@ -389,3 +389,13 @@ def check_host(trailer, payload, *, group: int, store_key: bytes, block_key: byt
     view = memoryview(payload).cast("B")
     return _check(trailer, view.nbytes, group, store_key, block_key, nbytes, auth_key,
                   lambda algo: _host_checksum(view, algo), lambda: [view])
+
+
+def check_crc(trailer, segments: Sequence[torch.Tensor], crc: int, *, group: int, store_key: bytes,
+              block_key: bytes, nbytes: int, auth_key: Optional[bytes] = None) -> Optional[str]:
+    """``check`` given the payload's CRC32C, computed while it was read (``gdskv.io.batch``);
+    a chunk sealed with another algorithm is checked by computing that one."""
+    flats = [_flat_bytes(s) for s in segments]
+    return _check(trailer, sum(f.numel() for f in flats), group, store_key, block_key, nbytes, auth_key,
+                  lambda algo: crc if algo == fmt.CHECKSUM_CRC32C else payload_checksum(flats, algo),
+                  lambda: _host_views(flats))

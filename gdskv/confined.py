@@ -60,7 +60,7 @@ def _process_umask() -> int:
 _UMASK = _process_umask()
 
 
-def _umask_may_strip(mode: int) -> bool:
+def umask_may_strip(mode: int) -> bool:
     """Whether a create with ``mode`` needs an explicit chmod: the umask (read once at start; a
     process may change it later) strips some of its bits, or it grants group/other bits, which a
     later umask could strip."""
@@ -113,6 +113,12 @@ class ConfinedDir:
 
     def abspath(self, rel: str) -> str:
         return f"{self._prefix}{rel}" if rel else self.root
+
+    @property
+    def fd(self) -> int:
+        """The root's descriptor (``O_PATH``), for ``gdskv.io.batch``, which resolves paths beneath
+        it the same way."""
+        return self._fd
 
     @property
     def alive(self) -> bool:
@@ -221,7 +227,7 @@ class ConfinedDir:
             pfd = self.open(parent, os.O_PATH | os.O_DIRECTORY)
             try:
                 os.mkdir(name, self.dir_mode, dir_fd=pfd)
-                if _umask_may_strip(self.dir_mode):
+                if umask_may_strip(self.dir_mode):
                     os.chmod(name, self.dir_mode, dir_fd=pfd, follow_symlinks=False)
             except FileExistsError:
                 pass
@@ -387,7 +393,7 @@ def open_data_file(path: str, write: bool, mode: int = 0o600) -> int:
 def _with_mode(fd: int, mode: int) -> int:
     """``fd`` of a file just created with ``mode``, given exactly that mode where the umask may
     have stripped bits of it (closed on failure)."""
-    if _umask_may_strip(mode):
+    if umask_may_strip(mode):
         try:
             os.fchmod(fd, mode)
         except OSError:

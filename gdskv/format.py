@@ -129,6 +129,12 @@ def _load_libcrc32c() -> Optional[ctypes.CDLL]:
 _LIB = _load_libcrc32c()
 
 
+def crc32c_library() -> Optional[ctypes.CDLL]:
+    """google-crc32c's C library (None where it is not bundled): ``gdskv.io.batch`` hands its
+    ``crc32c_extend`` to the compiled batch path."""
+    return _LIB
+
+
 def crc32c_at(address: int, nbytes: int, value: int = 0) -> int:
     """CRC32C of ``nbytes`` of host memory at ``address``, continuing from ``value``."""
     if _LIB is not None:

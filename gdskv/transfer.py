@@ -28,12 +28,17 @@ import torch
 
 from gdskv import checksum
 from gdskv import format as fmt
-from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path
+from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path, umask_may_strip
+from gdskv.io import batch as batchio
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
-from gdskv.io.posix import aligned_host_buffer
+from gdskv.io.posix import PosixEngine, aligned_host_buffer
 from gdskv.store import Namespace
 
 log = logging.getLogger(__name__)
+
+SLICE_PAGES = 16
+"""Most pages one native batch call moves (``PageTransfer._batch``): enough to amortize the call,
+few enough that a step's pages still spread over every transfer thread."""
 
 
 class SaveStatus(enum.Enum):
@@ -99,7 +104,8 @@ class PageTransfer:
         """``save_page`` for a step's pages at once (``(key, parent, segments)`` each, one
         ``ready`` for all): one future per page, in order, with at most ``depth`` pages in flight
         (see ``_batch``)."""
-        return self._batch(self._save, group, [(key, parent, list(segs)) for key, parent, segs in items], ready)
+        return self._batch(self._save, self._save_slice, group,
+                           [(key, parent, list(segs)) for key, parent, segs in items], ready)
 
     def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor], ready: Optional[Any] = None) -> SaveStatus:
         if ready is not None:
@@ -129,6 +135,14 @@ class PageTransfer:
             ns.counters.add("saves_dropped")
             ns.counters.add("saves_dropped_budget")
             return SaveStatus.DROPPED
+        return self._save_admitted(group, key, parent, segments, path, nbytes)
+
+    def _save_admitted(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor], path: str,
+                       nbytes: int) -> SaveStatus:
+        """Seal, write and publish a page the budget admitted (``_save_checked``; ``_save_slice``
+        for a page its native write could not publish)."""
+        ns = self.ns
+        budget = ns.store.budget
         staged = self._staged(segments)
         if staged is not None:
             for host, page in zip(staged, segments):
@@ -182,6 +196,62 @@ class PageTransfer:
                 if attempt:
                     raise
 
+    def _save_slice(self, group: int, jobs: list[tuple[bytes, Optional[bytes], list[torch.Tensor]]]) -> list[SaveStatus]:
+        """``_save`` for a slice of pages through the native batch path: checks, admission and
+        sealing in Python, then one call writes and publishes every chunk with the GIL released.
+        A page the batch path cannot take, or that fails in it, goes through ``_save``."""
+        ns = self.ns
+        expected = ns.spec.group(group).bytes_per_page
+        present = ns.contains_many(group, [key for key, _, _ in jobs])
+        budget = ns.store.budget
+        engine = self.engine
+        out: list[Optional[SaveStatus]] = [None] * len(jobs)
+        native: list[int] = []
+        work: list[tuple[str, str, str, list[batchio.Piece]]] = []
+        trailers: list[bytearray] = []  # alive until the call returns: the pieces point into them
+        for i, (key, parent, segments) in enumerate(jobs):
+            if sum(t.numel() * t.element_size() for t in segments) != expected:
+                out[i] = self._save(group, key, parent, segments)  # raises the size error per page
+                continue
+            if present[i]:
+                ns.counters.add("saves_exists")
+                out[i] = SaveStatus.EXISTS
+                continue
+            if (not batchio.host_pages(segments) or (engine.o_direct and batchio.direct_capable(segments))
+                    or self._checksum not in (None, fmt.CHECKSUM_CRC32C)):  # aligned pools write O_DIRECT
+                out[i] = self._save(group, key, parent, segments)
+                continue
+            if budget is not None and not budget.admit(ns, group, expected + fmt.TRAILER_BYTES, parent):
+                ns.counters.add("saves_dropped")
+                ns.counters.add("saves_dropped_budget")
+                out[i] = SaveStatus.DROPPED
+                continue
+            trailer = bytearray(checksum.seal(segments, group=group, store_key=ns.store_key(group, key), block_key=key,
+                                              parent_key=parent, algo=fmt.CHECKSUM_CRC32C, auth_key=self._auth_key))
+            trailers.append(trailer)
+            rel_dir, name = ns.chunk_location(group, key)
+            tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.{next(self._tmp_seq):x}"
+            work.append((rel_dir, tmp, name, batchio.pieces_of(segments, trailer)))
+            native.append(i)
+        if work:
+            errs = batchio.write_chunks(ns.store.fs.fd, work, engine.file_mode, umask_may_strip(engine.file_mode),
+                                        engine.fsync)
+            published = 0
+            for i, err in zip(native, errs):
+                key, parent, segments = jobs[i]
+                if err:  # a missing directory, a full disk, something in the way: the per-page path sorts it out
+                    out[i] = self._save_admitted(group, key, parent, segments, ns.chunk_path(group, key), expected)
+                    continue
+                published += 1
+                out[i] = SaveStatus.PUBLISHED
+                if budget is not None:
+                    budget.on_published(ns, group, key, parent, expected + fmt.TRAILER_BYTES)
+            if published:
+                ns.counters.add("saves_published", published)
+                ns.counters.add("bytes_written", published * expected)
+        self._maybe_flush()
+        return out  # type: ignore[return-value]
+
     def _staged(self, segments: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
         """Host views, one per segment, of this thread's staging buffer when the page is to be
         staged (see ``stage_host``); None otherwise. The buffer is pinned where CUDA is present
@@ -227,32 +297,48 @@ class PageTransfer:
                    ready: Optional[Any] = None) -> list["Future[LoadStatus]"]:
         """``load_page`` for a step's pages at once (``(key, segments)`` each, one ``ready`` for
         all): one future per page, in order, with at most ``depth`` pages in flight."""
-        return self._batch(self._load, group, [(key, list(segs)) for key, segs in items], ready)
+        return self._batch(self._load, self._load_slice, group, [(key, list(segs)) for key, segs in items], ready)
 
-    def _batch(self, fn: Callable[..., Any], group: int, jobs: list[tuple], ready: Optional[Any]) -> list[Future]:
-        """Run ``fn(group, *job)`` for every job on at most ``depth`` pool threads. Each thread
-        waits on ``ready`` once, then takes the next job until none is left and resolves that
-        job's future itself: a batch costs ``depth`` hand-offs, not one per page (the per-page
-        submit, wake-up and future of the pool were a fifth of a warm 64 KiB load). Pages of one
-        batch complete in any order; a cancelled future's page is skipped."""
+    def _batch(self, fn: Callable[..., Any], slice_fn: Callable[[int, list[tuple]], list[Any]], group: int,
+               jobs: list[tuple], ready: Optional[Any]) -> list[Future]:
+        """Run the jobs on at most ``depth`` pool threads. Each thread waits on ``ready`` once,
+        then takes slices of jobs until none is left and resolves their futures itself: a batch
+        costs ``depth`` hand-offs, not one per page (the per-page submit, wake-up and future of
+        the pool were a fifth of a warm 64 KiB load). Where the native batch path applies
+        (``gdskv.io.batch``), a slice is one call of ``slice_fn(group, jobs)``; otherwise
+        ``fn(group, *job)`` runs per page. Pages complete in any order; a cancelled future's
+        page is skipped."""
         futures: list[Future] = [Future() for _ in jobs]
-        todo = iter(range(len(jobs)))  # next() on a range iterator is atomic under the GIL
+        threads = min(self.depth, len(jobs))
+        native = self._batchable()
+        size = max(1, min(SLICE_PAGES, len(jobs) // (threads * 4))) if native else 1
+        slices = iter(range(0, len(jobs), size))  # next() on a range iterator is atomic under the GIL
 
         def worker() -> None:
             if ready is not None:
                 ready.synchronize()
-            for i in todo:
-                fut = futures[i]
-                if not fut.set_running_or_notify_cancel():
-                    continue
+            for start in slices:
+                picked = [i for i in range(start, min(start + size, len(jobs))) if futures[i].set_running_or_notify_cancel()]
                 try:
-                    fut.set_result(fn(group, *jobs[i]))
-                except BaseException as e:  # noqa: BLE001 - delivered through the page's future
-                    fut.set_exception(e)
+                    if native:
+                        results = slice_fn(group, [jobs[i] for i in picked])
+                    else:
+                        results = [fn(group, *jobs[i]) for i in picked]
+                except BaseException as e:  # noqa: BLE001 - delivered through the pages' futures
+                    for i in picked:
+                        futures[i].set_exception(e)
+                    continue
+                for i, result in zip(picked, results):
+                    futures[i].set_result(result)
 
-        for _ in range(min(self.depth, len(jobs))):
+        for _ in range(threads):
             self._pool.submit(worker)
         return futures
+
+    def _batchable(self) -> bool:
+        """Whether slices may go to the native batch path: the POSIX engine (kvikio moves device
+        memory itself), no host staging forced, the extension built and working."""
+        return batchio.available() and isinstance(self.engine, PosixEngine) and not self._stage_host
 
     def _load(self, group: int, key: bytes, segments: list[torch.Tensor], ready: Optional[Any] = None) -> LoadStatus:
         if ready is not None:
@@ -298,6 +384,56 @@ class PageTransfer:
         ns.counters.add("loads_hit")
         ns.counters.add("bytes_read", nbytes)
         return LoadStatus.LOADED
+
+    def _load_slice(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor]]]) -> list[LoadStatus]:
+        """``_load`` for a slice of pages through the native batch path: one call opens, reads
+        and checksums every chunk with the GIL released; the trailers are verified here. A page
+        the batch path cannot take, or that fails in it (missing, short, corrupt, refused), goes
+        through ``_load``, which classifies and counts it."""
+        ns = self.ns
+        fs = ns.store.fs
+        budget = ns.store.budget
+        out: list[Optional[LoadStatus]] = [None] * len(jobs)
+        native: list[int] = []
+        work: list[tuple[str, list[batchio.Piece]]] = []
+        trailers: list[bytearray] = []
+        pinned: list[str] = []
+        for i, (key, segments) in enumerate(jobs):
+            trailer = bytearray(fmt.TRAILER_BYTES)
+            pieces = batchio.pieces_of(segments, trailer)
+            if pieces is None:
+                out[i] = self._load(group, key, segments)
+                continue
+            rel_dir, name = ns.chunk_location(group, key)
+            work.append((f"{rel_dir}/{name}", pieces))
+            trailers.append(trailer)
+            native.append(i)
+            if budget is not None:
+                pinned.append(ns.chunk_path(group, key))
+                budget.pin(pinned[-1])
+        if work:
+            try:
+                results = batchio.read_chunks(fs.fd, work, self.engine.direct_reads)
+            finally:
+                for path in pinned:
+                    budget.unpin(path)
+            loaded = nbytes_loaded = 0
+            for i, trailer, result in zip(native, trailers, results):
+                key, segments = jobs[i]
+                nbytes = sum(t.numel() * t.element_size() for t in segments)
+                if result.err == 0 and checksum.check_crc(trailer, segments, result.crc, group=group,
+                                                          store_key=ns.store_key(group, key), block_key=key,
+                                                          nbytes=nbytes, auth_key=self._auth_key) is None:
+                    loaded += 1
+                    nbytes_loaded += nbytes
+                    out[i] = LoadStatus.LOADED
+                else:
+                    out[i] = self._load(group, key, segments)
+            if loaded:
+                ns.counters.add("loads_hit", loaded)
+                ns.counters.add("bytes_read", nbytes_loaded)
+        self._maybe_flush()
+        return out  # type: ignore[return-value]
 
     def _read_and_verify(self, group: int, key: bytes, nbytes: int, segs: list[Segment], trailer: bytearray,
                          segments: list[torch.Tensor]) -> Optional[str]:

@@ -1,14 +1,17 @@
 """``PageTransfer.save_pages`` / ``load_pages``: a step's pages as one batch on real files. One
 future per page, in order; at most ``depth`` pages in flight; the readiness waited on by every
-thread that moves a page, before it moves one; a bad or missing chunk is that page's miss only."""
+thread that moves a page, before it moves one; a bad or missing chunk is that page's miss only.
+Every test runs on the native batch path (``gdskv.io.batch``) and on the per-page Python path."""
 from __future__ import annotations
 
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+from gdskv.io import batch as batchio
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
@@ -16,6 +19,15 @@ from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
 
 KEYS = chain_keys(list(range(16 * 24)), 16, "batch")
 PAGE = 8192 + 100
+
+
+@pytest.fixture(autouse=True, params=["native", "per-page"])
+def io_path(request, monkeypatch) -> str:
+    if request.param == "native" and not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    if request.param == "per-page":
+        monkeypatch.setattr(batchio, "_working", False)
+    return request.param
 
 
 def make(store_path: str, depth: int = 3) -> PageTransfer:
@@ -76,22 +88,24 @@ def test_every_thread_waits_for_readiness_before_it_moves_a_page_and_depth_bound
     active, peak = [0], [0]
     lock = threading.Lock()
     gate = Gate()
-    real = x.engine.read_now
 
-    def read_now(path, segs):
-        assert gate.open.is_set(), "a page moved before its readiness"
-        with lock:
-            movers.add(threading.get_ident())
-            active[0] += 1
-            peak[0] = max(peak[0], active[0])
-        try:
-            time.sleep(0.002)
-            return real(path, segs)
-        finally:
+    def moving(real):
+        def move(*args):
+            assert gate.open.is_set(), "a page moved before its readiness"
             with lock:
-                active[0] -= 1
+                movers.add(threading.get_ident())
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            try:
+                time.sleep(0.002)
+                return real(*args)
+            finally:
+                with lock:
+                    active[0] -= 1
+        return move
 
-    monkeypatch.setattr(x.engine, "read_now", read_now)
+    monkeypatch.setattr(x.engine, "read_now", moving(x.engine.read_now))
+    monkeypatch.setattr(batchio, "read_chunks", moving(batchio.read_chunks))
     dst = torch.zeros(20, PAGE, dtype=torch.uint8)
     futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(20)], ready=gate)
     time.sleep(0.05)

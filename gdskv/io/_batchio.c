@@ -1,0 +1,340 @@
+/* Batched chunk-file I/O for host page memory, with the GIL released for the whole batch.
+ *
+ * Built by `pip install` as gdskv.io._batchio (an optional extension: where no compiler is
+ * present the pure-Python path in gdskv.io.posix does the same work). Called by
+ * gdskv.io.posix.PosixEngine.read_batch_now / write_batch_now, which gdskv.transfer's threads call
+ * once per slice of a step's pages, so a page costs a few system calls and no Python.
+ *
+ * Every path is resolved by the kernel beneath the store's root descriptor without following a
+ * link (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS), and only regular
+ * files are read, exactly as gdskv.confined does. A job that fails here reports its errno and
+ * touches nothing else; the caller redoes it on the Python path, which sorts the failure out
+ * (missing, refused, corrupt, disk full) with its counters and log lines.
+ *
+ * read_chunks(root_fd, jobs, crc_fn, direct) -> list[(err, crc)]
+ *   jobs: [(relpath: bytes, pieces: [(address, length), ...]), ...]; the pieces lie end to end
+ *   in the file from offset 0 and the last one is the chunk's trailer. err 0: every byte read,
+ *   crc = CRC32C of all pieces but the last (crc_fn: the address of google-crc32c's
+ *   crc32c_extend). On success the file's times are refreshed (eviction ranks by recency).
+ *   direct: read chunks not wholly in the page cache with O_DIRECT, aligned pieces in place and
+ *   the rest through an aligned staging buffer.
+ * write_chunks(root_fd, jobs, file_mode, chmod, sync) -> list[err]
+ *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces), ...]; writes the pieces end to end
+ *   into dir/tmp (created exclusively), optionally fsyncs it, and renames it to dir/name.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define ALIGN 4096
+#define MAX_PIECES 64
+#define ERR_SHORT (-1)   /* the file ended before every byte was read */
+#define ERR_NOT_REGULAR (-2)
+#ifndef SYS_cachestat
+#define SYS_cachestat 451
+#endif
+
+typedef uint32_t (*crc_fn_t)(uint32_t, const void *, size_t);
+
+typedef struct {
+    char *path;       /* read: path from the root; write: the directory */
+    char *tmp;
+    char *name;
+    int npieces;
+    struct iovec pieces[MAX_PIECES];
+    int err;
+    uint32_t crc;
+} job_t;
+
+struct cachestat_range { uint64_t off, len; };
+struct cachestat { uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted; };
+
+static int open_beneath(int root, const char *path, uint64_t flags, uint64_t mode) {
+    struct open_how how;
+    memset(&how, 0, sizeof how);
+    how.flags = flags | O_CLOEXEC | O_NOFOLLOW;
+    how.mode = (flags & O_CREAT) ? mode : 0;
+    how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+    return (int)syscall(SYS_openat2, root, path, &how, sizeof how);
+}
+
+static size_t total_len(const struct iovec *iov, int n) {
+    size_t t = 0;
+    for (int i = 0; i < n; i++) t += iov[i].iov_len;
+    return t;
+}
+
+/* Every byte of the iovecs from `offset`, retrying partial transfers; the bytes moved. */
+static ssize_t move_all(int fd, struct iovec *iov, int n, off_t offset, int write) {
+    struct iovec local[MAX_PIECES + 1];
+    memcpy(local, iov, sizeof(struct iovec) * n);
+    struct iovec *cur = local;
+    ssize_t done = 0;
+    while (n > 0) {
+        ssize_t got = write ? pwritev(fd, cur, n, offset + done) : preadv(fd, cur, n, offset + done);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (got == 0) break;
+        done += got;
+        while (n > 0 && (size_t)got >= cur->iov_len) {
+            got -= cur->iov_len;
+            cur++;
+            n--;
+        }
+        if (n > 0 && got) {
+            cur->iov_base = (char *)cur->iov_base + got;
+            cur->iov_len -= got;
+        }
+    }
+    return done;
+}
+
+static int cached(int fd, size_t len) {
+    struct cachestat_range r = {0, len};
+    struct cachestat cs;
+    if (syscall(SYS_cachestat, fd, &r, &cs, 0) != 0) return 0;
+    return cs.nr_cache >= (len + 4095) / 4096;
+}
+
+static int aligned(const struct iovec *v) {
+    return ((uintptr_t)v->iov_base % ALIGN) == 0 && v->iov_len % ALIGN == 0 && v->iov_len > 0;
+}
+
+/* One O_DIRECT preadv of the chunk: the leading aligned pieces in place, the rest through
+ * `staging` (at least the rest rounded up to ALIGN), then copied out. */
+static int read_direct(int fd, job_t *j, char *staging) {
+    struct iovec iov[MAX_PIECES + 1];
+    int k = 0;
+    while (k < j->npieces - 1 && aligned(&j->pieces[k])) {
+        iov[k] = j->pieces[k];
+        k++;
+    }
+    size_t want = total_len(j->pieces, j->npieces);
+    size_t head = total_len(j->pieces, k);
+    size_t rest = want - head;
+    iov[k].iov_base = staging;
+    iov[k].iov_len = (rest + ALIGN - 1) / ALIGN * ALIGN;
+    ssize_t got = move_all(fd, iov, k + 1, 0, 0);
+    if (got < 0) return errno;
+    if ((size_t)got < want) return ERR_SHORT;
+    size_t pos = 0;
+    for (int i = k; i < j->npieces; i++) {
+        memcpy(j->pieces[i].iov_base, staging + pos, j->pieces[i].iov_len);
+        pos += j->pieces[i].iov_len;
+    }
+    return 0;
+}
+
+static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging) {
+    int fd = open_beneath(root, j->path, O_RDONLY | O_NONBLOCK, 0);
+    if (fd < 0) {
+        j->err = errno;
+        return;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        j->err = errno;
+    } else if (!S_ISREG(st.st_mode)) {
+        j->err = ERR_NOT_REGULAR;
+    } else {
+        size_t want = total_len(j->pieces, j->npieces);
+        if (direct && staging && !cached(fd, want) && fcntl(fd, F_SETFL, O_DIRECT) == 0) {
+            j->err = read_direct(fd, j, staging);
+        } else {
+            ssize_t got = move_all(fd, j->pieces, j->npieces, 0, 0);
+            j->err = got < 0 ? errno : ((size_t)got < want ? ERR_SHORT : 0);
+        }
+        if (j->err == 0) {
+            uint32_t c = 0;
+            for (int i = 0; i < j->npieces - 1; i++) c = crc(c, j->pieces[i].iov_base, j->pieces[i].iov_len);
+            j->crc = c;
+            futimens(fd, NULL);
+        }
+    }
+    close(fd);
+}
+
+static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sync) {
+    int dfd = open_beneath(root, j->path, O_PATH | O_DIRECTORY, 0);
+    if (dfd < 0) {
+        j->err = errno;
+        return;
+    }
+    int fd = openat(dfd, j->tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, file_mode);
+    if (fd < 0) {
+        j->err = errno;
+        close(dfd);
+        return;
+    }
+    int err = 0;
+    size_t want = total_len(j->pieces, j->npieces);
+    if (do_chmod && fchmod(fd, file_mode) != 0) err = errno;
+    if (!err) {
+        ssize_t put = move_all(fd, j->pieces, j->npieces, 0, 1);
+        if (put < 0) err = errno;
+        else if ((size_t)put != want) err = EIO;
+    }
+    if (!err && do_sync && fsync(fd) != 0) err = errno;
+    if (close(fd) != 0 && !err) err = errno;
+    if (!err && renameat(dfd, j->tmp, dfd, j->name) != 0) err = errno;
+    if (err) unlinkat(dfd, j->tmp, 0);
+    close(dfd);
+    j->err = err;
+}
+
+static char *copy_bytes(PyObject *b) {
+    char *s;
+    Py_ssize_t n;
+    if (PyBytes_AsStringAndSize(b, &s, &n) < 0) return NULL;
+    if ((Py_ssize_t)strlen(s) != n) {
+        PyErr_SetString(PyExc_ValueError, "path contains a NUL byte");
+        return NULL;
+    }
+    char *out = malloc(n + 1);
+    if (!out) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(out, s, n + 1);
+    return out;
+}
+
+static int parse_pieces(PyObject *seq, job_t *j) {
+    PyObject *fast = PySequence_Fast(seq, "pieces must be a sequence");
+    if (!fast) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n < 1 || n > MAX_PIECES) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "a chunk has 1 to 64 pieces");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long addr, len;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KK", &addr, &len)) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        j->pieces[i].iov_base = (void *)(uintptr_t)addr;
+        j->pieces[i].iov_len = (size_t)len;
+    }
+    j->npieces = (int)n;
+    Py_DECREF(fast);
+    return 0;
+}
+
+static void free_jobs(job_t *jobs, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        free(jobs[i].path);
+        free(jobs[i].tmp);
+        free(jobs[i].name);
+    }
+    free(jobs);
+}
+
+static job_t *parse_jobs(PyObject *list, Py_ssize_t *count, int writes) {
+    PyObject *fast = PySequence_Fast(list, "jobs must be a sequence");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    job_t *jobs = calloc(n ? n : 1, sizeof(job_t));
+    if (!jobs) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PySequence_Fast_GET_ITEM(fast, i);
+        PyObject *path, *tmp = NULL, *name = NULL, *pieces;
+        int ok = writes ? PyArg_ParseTuple(t, "SSSO", &path, &tmp, &name, &pieces) : PyArg_ParseTuple(t, "SO", &path, &pieces);
+        if (!ok || !(jobs[i].path = copy_bytes(path)) || (writes && (!(jobs[i].tmp = copy_bytes(tmp)) ||
+            !(jobs[i].name = copy_bytes(name)))) || parse_pieces(pieces, &jobs[i]) < 0) {
+            free_jobs(jobs, n);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    *count = n;
+    return jobs;
+}
+
+static PyObject *read_chunks(PyObject *self, PyObject *args) {
+    int root, direct;
+    PyObject *list;
+    unsigned long long crc_addr;
+    if (!PyArg_ParseTuple(args, "iOKp", &root, &list, &crc_addr, &direct)) return NULL;
+    if (!crc_addr) {
+        PyErr_SetString(PyExc_ValueError, "read_chunks needs crc32c_extend");
+        return NULL;
+    }
+    Py_ssize_t n;
+    job_t *jobs = parse_jobs(list, &n, 0);
+    if (!jobs) return NULL;
+    size_t most = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t t = total_len(jobs[i].pieces, jobs[i].npieces);
+        if (t > most) most = t;
+    }
+    char *staging = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (direct && posix_memalign((void **)&staging, ALIGN, most + ALIGN) != 0) staging = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) read_one(root, &jobs[i], (crc_fn_t)(uintptr_t)crc_addr, direct, staging);
+    free(staging);
+    Py_END_ALLOW_THREADS
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *r = Py_BuildValue("(iI)", jobs[i].err, jobs[i].crc);
+        if (!r) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, r);
+    }
+    free_jobs(jobs, n);
+    return out;
+}
+
+static PyObject *write_chunks(PyObject *self, PyObject *args) {
+    int root, file_mode, do_chmod, do_sync;
+    PyObject *list;
+    if (!PyArg_ParseTuple(args, "iOipp", &root, &list, &file_mode, &do_chmod, &do_sync)) return NULL;
+    Py_ssize_t n;
+    job_t *jobs = parse_jobs(list, &n, 1);
+    if (!jobs) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) write_one(root, &jobs[i], file_mode, do_chmod, do_sync);
+    Py_END_ALLOW_THREADS
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLong(jobs[i].err));
+    free_jobs(jobs, n);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"read_chunks", read_chunks, METH_VARARGS, "Read and checksum a batch of chunk files (see the module source)."},
+    {"write_chunks", write_chunks, METH_VARARGS, "Write and publish a batch of chunk files (see the module source)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_batchio", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__batchio(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m) {
+        PyModule_AddIntConstant(m, "ERR_SHORT", ERR_SHORT);
+        PyModule_AddIntConstant(m, "ERR_NOT_REGULAR", ERR_NOT_REGULAR);
+        PyModule_AddIntConstant(m, "MAX_PIECES", MAX_PIECES);
+    }
+    return m;
+}

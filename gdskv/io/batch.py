@@ -1,0 +1,104 @@
+"""Batched chunk reads and writes in one native call per slice of pages (``_batchio.c``).
+
+``gdskv.transfer`` calls ``read_chunks``/``write_chunks`` from its threads with a slice of a
+step's pages when ``usable`` says the batch path applies: host page memory, the POSIX engine,
+google-crc32c's C library and the compiled extension present. The extension resolves every path
+beneath the store's root descriptor without following links (as ``gdskv.confined`` does), moves
+the bytes and checksums the payload with the GIL released for the whole slice, so concurrent
+transfer threads and the engine's own Python run while pages move. A job that fails reports its
+errno; the caller redoes that page on the per-page Python path, which classifies the failure.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from gdskv import format as fmt
+
+try:
+    from gdskv.io import _batchio
+except ImportError:  # built without a C compiler: the per-page path does the work
+    _batchio = None
+
+ALIGN = 4096
+ERR_SHORT = -1
+ERR_NOT_REGULAR = -2
+MAX_PIECES = 64
+_UNSUPPORTED = (errno.ENOSYS, errno.EPERM)  # no openat2 (old kernel, seccomp): per-page path for good
+
+
+def _crc_address() -> int:
+    lib = fmt.crc32c_library()
+    return 0 if lib is None else ctypes.cast(lib.crc32c_extend, ctypes.c_void_p).value or 0
+
+
+_CRC = _crc_address() if _batchio is not None else 0
+_working = _batchio is not None and _CRC != 0
+
+Piece = tuple[int, int]
+"""One span of host memory, ``(address, length)``; a chunk's pieces lie end to end in its file."""
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """``err``: 0 when every byte was read, else an errno, ``ERR_SHORT`` or ``ERR_NOT_REGULAR``;
+    ``crc``: CRC32C of every piece but the last (the trailer), valid when ``err`` is 0."""
+
+    err: int
+    crc: int
+
+
+def available() -> bool:
+    """Whether the batch path can run in this process."""
+    return _working
+
+
+def _note(errs: Sequence[int]) -> None:
+    global _working
+    if errs and all(e in _UNSUPPORTED for e in errs):
+        _working = False
+
+
+def read_chunks(root_fd: int, jobs: Sequence[tuple[str, Sequence[Piece]]], direct: bool) -> list[ReadResult]:
+    """Read each job's chunk (``rel``: its path from the store root) into its pieces and
+    checksum the payload. ``direct``: chunks not wholly in the page cache are read with
+    O_DIRECT (aligned pieces in place, the rest staged). Called by ``PageTransfer``."""
+    out = [ReadResult(err, crc) for err, crc in
+           _batchio.read_chunks(root_fd, [(rel.encode(), pieces) for rel, pieces in jobs], _CRC, direct)]
+    _note([r.err for r in out])
+    return out
+
+
+def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piece]]], file_mode: int,
+                 chmod: bool, sync: bool) -> list[int]:
+    """Write each job's pieces into ``dir/tmp`` (created exclusively with ``file_mode``;
+    ``chmod``: set the mode again where the umask may have stripped it), ``fsync`` it when
+    ``sync``, and rename it to ``dir/name``; an errno per job (0: published). A failed job
+    leaves no file behind. Called by ``PageTransfer``."""
+    errs = _batchio.write_chunks(root_fd, [(d.encode(), t.encode(), n.encode(), p) for d, t, n, p in jobs],
+                                 file_mode, chmod, sync)
+    _note(errs)
+    return errs
+
+
+def host_pages(tensors: Sequence) -> bool:
+    """Whether the batch path can take a page's tensors: contiguous CPU tensors, not too many
+    (the per-page path handles the rest)."""
+    return len(tensors) < MAX_PIECES and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def direct_capable(tensors: Sequence) -> bool:
+    """Whether every tensor's address and length are ``ALIGN``-aligned (huge-page or pinned
+    pools): the per-page path writes such pages with O_DIRECT where configured."""
+    return all(t.data_ptr() % ALIGN == 0 and (t.numel() * t.element_size()) % ALIGN == 0 for t in tensors)
+
+
+def pieces_of(tensors: Sequence, trailer: bytearray) -> Optional[list[Piece]]:
+    """The pieces of a page's tensors and its trailer, or None when ``host_pages`` refuses them."""
+    if not host_pages(tensors):
+        return None
+    out = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+    out.append((ctypes.addressof((ctypes.c_char * len(trailer)).from_buffer(trailer)), len(trailer)))
+    return out
