@@ -12,11 +12,10 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import human_bytes, open_existing, print_json
 from gdskv.cli.output import console as make_console
 from gdskv.eviction import Limits, catalog, disk_usage, rebuild_catalog, scan_store
-from gdskv.io import make_engine
+from gdskv.io import engine_choice, make_engine
 from gdskv.io.capabilities import cuda_driver_present, kvikio_available
 from gdskv.store import PageStore
 
@@ -41,11 +40,14 @@ def chunk_counts(store: PageStore) -> dict[tuple[str, int], tuple[int, int]]:
 def gather(ctx: click.Context) -> dict[str, Any]:
     """The report ``info`` prints (also its ``--json``)."""
     cfg, store = open_existing(ctx)
-    engine = make_engine(cfg)
-    try:
-        engine_info = {"configured": cfg.engine, "selected": engine.name, "describe": engine.describe(), "gds_active": engine.gds_active}
-    finally:
-        engine.close()
+    if engine_choice(cfg) == "posix":  # nothing to probe: no engine (and no torch) needed
+        engine_info = {"configured": cfg.engine, "selected": "posix", "describe": "posix (GDS inactive)", "gds_active": False}
+    else:
+        engine = make_engine(cfg)
+        try:
+            engine_info = {"configured": cfg.engine, "selected": engine.name, "describe": engine.describe(), "gds_active": engine.gds_active}
+        finally:
+            engine.close()
     engine_info |= {"kvikio_installed": kvikio_available(), "cuda_driver": cuda_driver_present()}
     on_disk = store.namespaces()
     per_array = chunk_counts(store)
@@ -86,6 +88,8 @@ def gather(ctx: click.Context) -> dict[str, Any]:
 def info(ctx: click.Context, as_json: bool, remote: bool) -> None:
     """Store path, format, I/O engine, namespaces with chunk counts and bytes, budget and free space."""
     if remote:
+        from gdskv.cli import _remote as remote_views  # the remote client only when asked for
+
         return remote_views.info(ctx, as_json)
     try:
         rep = gather(ctx)

@@ -14,7 +14,6 @@ import numpy as np
 from rich.markup import escape
 from rich.table import Table
 
-from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import human_age, human_bytes, open_existing, parse_duration, print_json
 from gdskv.cli.output import console as make_console
 from gdskv.cli.evict import selected_ids
@@ -33,6 +32,8 @@ def ls(ctx: click.Context, namespace: Optional[str], group: Optional[int], older
        remote: bool) -> None:
     """Chunks with namespace, group, key prefix, size and last use, sorted by recency."""
     if remote:
+        from gdskv.cli import _remote as remote_views  # the remote client only when asked for
+
         return remote_views.ls(ctx, namespace, group, limit, as_json)
     try:
         _ls(ctx, namespace, group, older_than, limit, as_json)

@@ -5,24 +5,17 @@ Every error is one line on stderr; an unexpected one too (``-vv`` logs its trace
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import click
 
 from gdskv.cli._common import OneLineErrors
-
-from gdskv.cli.bench import bench
-from gdskv.cli.demo import demo
-from gdskv.cli.evict import evict
-from gdskv.cli.gc import gc
-from gdskv.cli.info import info
-from gdskv.cli.ls import ls
-from gdskv.cli.prewarm import prewarm
 from gdskv.cli.progress import DEFAULT_EVERY
-from gdskv.cli.pull import pull
-from gdskv.cli.push import push
-from gdskv.cli.stats import stats
-from gdskv.cli.verify import verify
+
+# Each command's module is imported when the command runs (or ``--help`` lists them all), so
+# ``gdskv info`` or a cron job's ``gdskv gc`` never pays for torch and the engines.
+COMMANDS = ("info", "ls", "stats", "verify", "evict", "gc", "prewarm", "push", "pull", "bench", "demo")
 
 # `gdskv prewarm --engine max`: MAX's model worker is a spawned process that re-imports this module
 # with GDSKV_MAX_HOOK=1 (``gdskv.connectors.max.ENV_HOOK``); every other command never imports the
@@ -33,7 +26,19 @@ if os.environ.get("GDSKV_MAX_HOOK") == "1":
     install_if_requested()
 
 
-@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+class Commands(OneLineErrors):
+    """The ``gdskv`` group with its commands imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        return getattr(importlib.import_module(f"gdskv.cli.{name}"), name)
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--store", "store_path", envvar="GDSKV_STORE", default=None, help="Store path (default: GDSKV_STORE, the config, or ~/.cache/gdskv/store).")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 @click.option("--status-every", "status_every", type=click.FloatRange(min=0.05), default=DEFAULT_EVERY, show_default=True,
@@ -47,10 +52,6 @@ def main(ctx: click.Context, store_path: str | None, verbose: int, status_every:
     ctx.ensure_object(dict)
     ctx.obj["store_path"] = store_path
     ctx.obj["status_every"] = status_every
-
-
-for command in (info, ls, stats, verify, evict, gc, prewarm, push, pull, bench, demo):
-    main.add_command(command)
 
 
 if __name__ == "__main__":

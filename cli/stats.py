@@ -16,7 +16,6 @@ from typing import Any, Optional
 import click
 from rich.table import Table
 
-from gdskv.cli import _remote as remote_views
 from gdskv.cli._common import UsageProblem, human_bytes, open_existing, print_json
 from gdskv.cli.output import console as make_console
 from gdskv.cli.plots import need_matplotlib, plot_stats
@@ -87,6 +86,8 @@ def stats(ctx: click.Context, as_json: bool, prometheus: bool, plot_path: Option
     if remote:
         if prometheus or plot_path is not None:
             raise UsageProblem("--remote shows the bucket's counts: give it without --prometheus or --plot")
+        from gdskv.cli import _remote as remote_views  # the remote client only when asked for
+
         return remote_views.stats(ctx, as_json, summed)
     if plot_path is not None:
         need_matplotlib("--plot")

@@ -1,21 +1,41 @@
 """I/O engines: move page bytes between memory and files (see ``base.IoEngine``)."""
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from gdskv.config import ConfigError, GdsKvConfig
-from gdskv.io.base import IoEngine, Segment, ShortReadError
 from gdskv.io.capabilities import cuda_driver_present, kvikio_available
-from gdskv.io.posix import PosixEngine
 
-__all__ = ["IoEngine", "Segment", "ShortReadError", "PosixEngine", "make_engine"]
+if TYPE_CHECKING:
+    from gdskv.io.base import IoEngine
+
+__all__ = ["IoEngine", "Segment", "ShortReadError", "PosixEngine", "engine_choice", "make_engine"]
+
+# The engines need torch; they are imported on first use so that ``gdskv info`` (which only asks
+# ``engine_choice``) starts without it.
+_LAZY = {"IoEngine": "gdskv.io.base", "Segment": "gdskv.io.base", "ShortReadError": "gdskv.io.base",
+         "PosixEngine": "gdskv.io.posix"}
 
 
-def make_engine(cfg: GdsKvConfig) -> IoEngine:
-    """The engine the config asks for; ``auto`` picks kvikio when it is installed and a CUDA
-    driver is present, POSIX otherwise. Called once per worker at bring-up (connectors, demo,
-    ``gdskv info``, the benchmarks); the caller owns the engine and closes it."""
-    choice = cfg.engine
-    if choice == "auto":
-        choice = "kvikio" if kvikio_available() and cuda_driver_present() else "posix"
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gdskv.io' has no attribute {name!r}")
+
+
+def engine_choice(cfg: GdsKvConfig) -> str:
+    """``"kvikio"`` or ``"posix"``: what ``make_engine`` builds for this config (``auto`` picks
+    kvikio when it is installed and a CUDA driver is present)."""
+    if cfg.engine == "auto":
+        return "kvikio" if kvikio_available() and cuda_driver_present() else "posix"
+    return cfg.engine
+
+
+def make_engine(cfg: GdsKvConfig) -> "IoEngine":
+    """The engine ``engine_choice`` names. Called once per worker at bring-up (connectors, demo,
+    ``gdskv info`` with kvikio, the benchmarks); the caller owns the engine and closes it."""
+    choice = engine_choice(cfg)
     if choice == "kvikio":
         if not kvikio_available():
             raise ConfigError("gdskv config: engine = 'kvikio' but kvikio is not installed (pip install 'gdskv[cu12]' or 'gdskv[cu13]')")
@@ -24,5 +44,7 @@ def make_engine(cfg: GdsKvConfig) -> IoEngine:
         return KvikioEngine(threads=cfg.kvikio_threads, task_size=cfg.kvikio_task_size, fsync=cfg.fsync,
                             direct_writes=cfg.o_direct != "off", direct_reads=cfg.o_direct == "all",
                             file_mode=cfg.file_mode)
+    from gdskv.io.posix import PosixEngine
+
     return PosixEngine(threads=cfg.io_threads, o_direct=cfg.o_direct != "off", fsync=cfg.fsync, direct_reads=cfg.o_direct == "all",
                        file_mode=cfg.file_mode)
