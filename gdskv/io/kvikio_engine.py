@@ -14,11 +14,12 @@ that call themselves, once per page (``read_now``/``write_now``); ``read``/``wri
 of the engine's call threads and return a ``concurrent.futures.Future`` at once, so they never
 block the caller, not even on ``open``.
 
-Handles are not cached across calls. A chunk file is written once, under a temporary name that is
-renamed when complete, and afterwards only read, quarantined or evicted: a cached write handle
-would never be used again, and a cached read handle would keep an evicted or quarantined file's
-blocks allocated (and its space counted against the disk) for as long as it stays cached. One
-handle per call serves all segments of a page (its regions and its trailer).
+Read handles are reused across calls (``gdskv.io.handles.HandleCache``: by inode, at most
+``handle_cache`` of them, none older than ``handle_max_age`` seconds, so an evicted chunk's blocks
+are freed soon); a hot chunk costs one ``open`` and ``fstat`` per load instead of three opens and a
+cuFile handle registration. Write handles are not: a chunk file is written once, under a temporary
+name that is renamed when complete. One handle per call serves all segments of a page (its
+regions and its trailer).
 
 Device memory may be registered with cuFile once per worker (``register_buffers``, opt-in: the KV
 pool's regions at bring-up); unregistered device memory goes through cuFile's own bounce buffers.
@@ -48,6 +49,7 @@ import torch
 
 from gdskv.confined import open_data_file
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
+from gdskv.io.handles import HandleCache
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,8 @@ class KvikioEngine(IoEngine):
     name = "kvikio"
 
     def __init__(self, threads: int = 4, task_size: int = 4 << 20, fsync: bool = False,
-                 direct_writes: bool = True, direct_reads: bool = False, file_mode: int = 0o600) -> None:
+                 direct_writes: bool = True, direct_reads: bool = False, file_mode: int = 0o600,
+                 handle_cache: int = 64, handle_max_age: float = 2.0) -> None:
         """``threads``: kvikio's thread pool size, and the number of ``read``/``write`` calls in
         flight at once (``read_now``/``write_now`` run on their callers' threads).
         ``task_size``: the bytes one kvikio task moves (a segment is split into tasks of this size).
@@ -70,6 +73,8 @@ class KvikioEngine(IoEngine):
         ``direct_writes``/``direct_reads``: kvikio's ``auto_direct_io_write``/``_read`` (compat
         mode: O_DIRECT for page-aligned host memory), where this kvikio has them.
         ``file_mode``: permissions of the files it creates.
+        ``handle_cache`` / ``handle_max_age``: how many read handles stay open for reuse, and for
+        how many seconds at most (0 handles: every read opens its own).
         """
         import kvikio
         import kvikio.defaults
@@ -95,6 +100,7 @@ class KvikioEngine(IoEngine):
         self._calls = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-kvikio")
         self._registered: dict[tuple[str, int], torch.Tensor] = {}  # allocation -> the view registered
         self._registered_lock = threading.Lock()
+        self.read_handles = HandleCache(capacity=handle_cache, max_age=handle_max_age)
 
     @property
     def gds_active(self) -> bool:
@@ -122,24 +128,43 @@ class KvikioEngine(IoEngine):
     def write_now(self, path: str, segments: Sequence[Segment]) -> int:
         return self._run(path, segments, "w")
 
-    def _run(self, path: str, segments: Sequence[Segment], flags: str) -> int:
-        """One call: open, issue the segments, wait for all, close.
+    def _open_handle(self, fd: int, flags: str, path: str) -> Any:
+        """kvikio's handle of the file open at ``fd``: kvikio reopens it through ``/proc/self/fd``
+        (``kvikio.CuFile`` takes a path only, and opening the path itself would follow a link,
+        block on a FIFO and create with kvikio's own mode)."""
+        try:
+            return self._kvikio.CuFile(f"/proc/self/fd/{fd}", flags)
+        except RuntimeError as exc:
+            raise _os_error(exc, path) from exc
 
-        The file is opened by ``open_data_file`` first (no link, no FIFO, exact mode) and kvikio
-        reopens that very file through ``/proc/self/fd``: ``kvikio.CuFile`` takes a path only, and
-        opening the path itself would follow a link, block on a FIFO and create with kvikio's
-        own mode. A call therefore costs three opens (this one, kvikio's buffered one and its
-        O_DIRECT one) and, under GDS, one cuFile handle registration.
+    def _run(self, path: str, segments: Sequence[Segment], flags: str) -> int:
+        """One call: open (``open_data_file``: no link, no FIFO, exact mode), issue the segments,
+        wait for all, close. A read takes its kvikio handle from ``read_handles`` (made anew only
+        for a file not open already: kvikio's buffered and O_DIRECT opens and, under GDS, a cuFile
+        handle registration); a write makes one and closes it.
 
         Reads issue every segment at once. Writes never have two writes in flight that touch the
-        same ``BLOCK`` of the file (see ``_WriteOrder``)."""
+        same ``BLOCK`` of the file (see ``_Calls``)."""
         writing = flags == "w"
         fd = open_data_file(path, write=writing, mode=self.file_mode)
+        if writing:
+            try:
+                handle = self._open_handle(fd, flags, path)
+            except BaseException:
+                os.close(fd)
+                raise
+            return self._issue(handle, fd, path, segments, writing=True)
         try:
-            handle = self._kvikio.CuFile(f"/proc/self/fd/{fd}", flags)
-        except RuntimeError as exc:
+            entry = self.read_handles.acquire(fd, lambda: self._open_handle(fd, flags, path))
+        finally:
             os.close(fd)
-            raise _os_error(exc, path) from exc
+        try:
+            return self._issue(entry.handle, None, path, segments, writing=False)
+        finally:
+            self.read_handles.release(entry)
+
+    def _issue(self, handle: Any, fd: Optional[int], path: str, segments: Sequence[Segment], writing: bool) -> int:
+        """Issue every segment on ``handle``, wait for all; a write handle (and ``fd``) is closed."""
         calls = _Calls(path, writing)
         try:
             op = handle.pread if not writing else handle.pwrite
@@ -168,8 +193,9 @@ class KvikioEngine(IoEngine):
                 os.fsync(handle.fileno())
             return calls.total
         finally:
-            handle.close()
-            os.close(fd)
+            if writing:
+                handle.close()
+                os.close(fd)
 
     # --- cuFile buffer registration ------------------------------------------------------------
     def register_buffers(self, tensors: Iterable[torch.Tensor]) -> int:
@@ -225,6 +251,7 @@ class KvikioEngine(IoEngine):
 
     def close(self) -> None:
         self._calls.shutdown(wait=True)
+        self.read_handles.clear()
         self._deregister_all()
 
 
