@@ -100,27 +100,18 @@ def test_an_evicted_chunk_is_not_held_open_past_the_max_age(driver: str, tmp_pat
         engine.close()
 
 
-def test_no_more_handles_than_the_capacity_stay_open(driver: str, tmp_path: Path) -> None:
-    engine = _engine(handle_cache=2)
+@pytest.mark.parametrize("capacity", [0, 2])
+def test_no_more_handles_than_the_capacity_stay_open(driver: str, tmp_path: Path, capacity: int) -> None:
+    engine = _engine(handle_cache=capacity)
     try:
         chunks = [tmp_path / f"c{i}" for i in range(6)]
         for i, c in enumerate(chunks):
             _write(c, i)
-            assert bool((_read(engine, c) == i).all())
-        assert len(engine.read_handles) == 2
-        assert sum(_held(c) > 0 for c in chunks) == 2
-    finally:
-        engine.close()
-
-
-def test_no_handle_cache_opens_every_read_anew(driver: str, tmp_path: Path) -> None:
-    engine = _engine(handle_cache=0)
-    try:
-        chunk = tmp_path / "c"
-        _write(chunk, 5)
-        _read(engine, chunk)
-        _read(engine, chunk)
-        assert engine.read_handles.opened == 2 and _held(chunk) == 0
+            for _ in range(2):
+                assert bool((_read(engine, c) == i).all())
+        assert len(engine.read_handles) == capacity
+        assert sum(_held(c) > 0 for c in chunks) == capacity
+        assert engine.read_handles.opened == (6 if capacity else 12)
     finally:
         engine.close()
 
