@@ -262,9 +262,14 @@ class Checks:
         self.engine.read_now(path, [Segment(0, back16)])
         self.sync()
         assert torch.equal(back16.view(torch.int16), bf16.view(torch.int16)), "bf16 page differs"
+        reused = self.engine.read_handles.reused
+        for _ in range(3):  # a hot chunk: read through the handle already open
+            self.engine.read_now(path, [Segment(0, back16)])
+        assert self.engine.read_handles.reused >= reused + 3, "a hot chunk was reopened for every read"
         self._count_backends(monitor)
         return Result("kvikio round trips", PASS,
-                      f"{len(ROUND_TRIP_SPLITS)} pages of 20 KiB-3 MiB in 1-3 unaligned regions + trailer, bf16; {moved / MiB:.1f} MiB each way")
+                      f"{len(ROUND_TRIP_SPLITS)} pages of 20 KiB-3 MiB in 1-3 unaligned regions + trailer, bf16; {moved / MiB:.1f} MiB each way; "
+                      f"read handles opened {self.engine.read_handles.opened}, reused {self.engine.read_handles.reused}")
 
     def gds(self) -> Result:
         try:
