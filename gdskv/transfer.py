@@ -28,10 +28,10 @@ import torch
 
 from gdskv import checksum
 from gdskv import format as fmt
-from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path, umask_may_strip
+from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path
 from gdskv.io import batch as batchio
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
-from gdskv.io.posix import PosixEngine, aligned_host_buffer
+from gdskv.io.posix import aligned_host_buffer
 from gdskv.store import Namespace
 
 log = logging.getLogger(__name__)
@@ -234,8 +234,7 @@ class PageTransfer:
             work.append((rel_dir, tmp, name, batchio.pieces_of(segments, trailer)))
             native.append(i)
         if work:
-            errs = batchio.write_chunks(ns.store.fs.fd, work, engine.file_mode, umask_may_strip(engine.file_mode),
-                                        engine.fsync)
+            errs = engine.write_chunks_now(ns.store.fs.fd, work)
             published = 0
             for i, err in zip(native, errs):
                 key, parent, segments = jobs[i]
@@ -336,9 +335,10 @@ class PageTransfer:
         return futures
 
     def _batchable(self) -> bool:
-        """Whether slices may go to the native batch path: the POSIX engine (kvikio moves device
-        memory itself), no host staging forced, the extension built and working."""
-        return batchio.available() and isinstance(self.engine, PosixEngine) and not self._stage_host
+        """Whether slices may go to the native batch path: an engine that batches chunks (the
+        POSIX engine with the extension built and working; kvikio moves device memory itself),
+        no host staging forced."""
+        return self.engine.batches_chunks and not self._stage_host
 
     def _load(self, group: int, key: bytes, segments: list[torch.Tensor], ready: Optional[Any] = None) -> LoadStatus:
         if ready is not None:
@@ -413,7 +413,7 @@ class PageTransfer:
                 budget.pin(pinned[-1])
         if work:
             try:
-                results = batchio.read_chunks(fs.fd, work, self.engine.direct_reads)
+                results = self.engine.read_chunks_now(fs.fd, work)
             finally:
                 for path in pinned:
                     budget.unpin(path)

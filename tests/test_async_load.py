@@ -197,11 +197,17 @@ def test_max_load_returns_while_every_read_is_still_blocked(tmp_path):
             assert self.gate.wait(30), "the test never opened the gate"
             return super().read_now(path, segments)
 
+        def read_chunks_now(self, root_fd, jobs):  # type: ignore[override]
+            self.readers.add(threading.get_ident())
+            assert self.gate.wait(30), "the test never opened the gate"
+            return super().read_chunks_now(root_fd, jobs)
+
     leaves = {"full": KVCacheGroupId.full()}
     pages = torch.randint(0, 256, (8, 512), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     engine = HeldReads()
     conn = GdsKvConnector(leaves, [{"full": LeafMemory((pages,), False)}], model="tiny", dtype="float32", tokens_per_block=16,
-                          config=GdsKvConfig(store_path=str(tmp_path / "store")), engine=engine)
+                          config=GdsKvConfig(store_path=str(tmp_path / "store"), host_bytes=0),  # reads from disk
+                          engine=engine)
     try:
         hashes = [i.to_bytes(8, "big") for i in range(3)]
         saved = conn.offload({"full": [0, 1, 2]}, {"full": hashes})

@@ -300,8 +300,8 @@ def test_posting_failures(store_path):
 
 class GatedEngine(PosixEngine):
     """A POSIX engine whose reads and writes wait for ``gate``: a slow disk, made visible.
-    Gates ``read_now``/``write_now``, the calls the transfer layer makes (``read``/``write``
-    run them too)."""
+    Gates every call the transfer layer makes: ``read_now``/``write_now`` per page (``read``/
+    ``write`` run them too) and ``read_chunks_now``/``write_chunks_now`` per native slice."""
 
     def __init__(self) -> None:
         super().__init__(threads=4)
@@ -314,6 +314,14 @@ class GatedEngine(PosixEngine):
     def write_now(self, path, segments):
         self.gate.wait(10)
         return super().write_now(path, segments)
+
+    def read_chunks_now(self, root_fd, jobs):
+        self.gate.wait(10)
+        return super().read_chunks_now(root_fd, jobs)
+
+    def write_chunks_now(self, root_fd, jobs):
+        self.gate.wait(10)
+        return super().write_chunks_now(root_fd, jobs)
 
 
 def test_transfers_are_asynchronous_and_publish_only_when_written(store_path):

@@ -1,9 +1,9 @@
 /* Batched chunk-file I/O for host page memory, with the GIL released for the whole batch.
  *
  * Built by `pip install` as gdskv.io._batchio (an optional extension: where no compiler is
- * present the pure-Python path in gdskv.io.posix does the same work). Called by
- * gdskv.io.posix.PosixEngine.read_batch_now / write_batch_now, which gdskv.transfer's threads call
- * once per slice of a step's pages, so a page costs a few system calls and no Python.
+ * present the pure-Python path in gdskv.io.posix does the same work). Called through
+ * gdskv.io.batch by gdskv.io.posix.PosixEngine.read_chunks_now / write_chunks_now, which
+ * gdskv.transfer's threads call once per slice of a step's pages, so a page costs a few system calls and no Python.
  *
  * Every path is resolved by the kernel beneath the store's root descriptor without following a
  * link (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS), and only regular

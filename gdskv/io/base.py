@@ -86,6 +86,23 @@ class IoEngine(abc.ABC):
         """``write`` of several files at once (see ``read_batch``)."""
         return [self.write(path, segs) for path, segs in ops]
 
+    @property
+    def batches_chunks(self) -> bool:
+        """Whether ``read_chunks_now``/``write_chunks_now`` can move a slice of host pages in one
+        native call (``gdskv.io.batch``); the transfer layer asks before each batch."""
+        return False
+
+    def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> list:
+        """Read and checksum whole chunk files beneath ``root_fd`` into host memory, on the
+        calling thread: one ``gdskv.io.batch.ReadResult`` per job. Called by the transfer
+        layer's threads with a slice of a step's pages, only where ``batches_chunks``."""
+        raise NotImplementedError
+
+    def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[tuple[int, int]]]]) -> list[int]:
+        """Write and publish whole chunk files beneath ``root_fd`` from host memory, on the
+        calling thread: an errno per job, 0 when published (see ``read_chunks_now``)."""
+        raise NotImplementedError
+
     def register_buffers(self, tensors: Iterable[torch.Tensor]) -> int:
         """Register a worker's page memory (its KV pool regions) with the engine once, at
         bring-up, where that makes device transfers faster (cuFile buffer registration under

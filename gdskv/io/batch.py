@@ -1,7 +1,7 @@
 """Batched chunk reads and writes in one native call per slice of pages (``_batchio.c``).
 
-``gdskv.transfer`` calls ``read_chunks``/``write_chunks`` from its threads with a slice of a
-step's pages when ``usable`` says the batch path applies: host page memory, the POSIX engine,
+``gdskv.io.posix.PosixEngine.read_chunks_now``/``write_chunks_now`` call ``read_chunks``/``write_chunks``
+for ``gdskv.transfer``'s threads with a slice of a step's pages when the batch path applies: host page memory, the POSIX engine,
 google-crc32c's C library and the compiled extension present. The extension resolves every path
 beneath the store's root descriptor without following links (as ``gdskv.confined`` does), moves
 the bytes and checksums the payload with the GIL released for the whole slice, so concurrent
@@ -64,7 +64,7 @@ def _note(errs: Sequence[int]) -> None:
 def read_chunks(root_fd: int, jobs: Sequence[tuple[str, Sequence[Piece]]], direct: bool) -> list[ReadResult]:
     """Read each job's chunk (``rel``: its path from the store root) into its pieces and
     checksum the payload. ``direct``: chunks not wholly in the page cache are read with
-    O_DIRECT (aligned pieces in place, the rest staged). Called by ``PageTransfer``."""
+    O_DIRECT (aligned pieces in place, the rest staged). Called by ``PosixEngine``."""
     out = [ReadResult(err, crc) for err, crc in
            _batchio.read_chunks(root_fd, [(rel.encode(), pieces) for rel, pieces in jobs], _CRC, direct)]
     _note([r.err for r in out])
@@ -76,7 +76,7 @@ def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piec
     """Write each job's pieces into ``dir/tmp`` (created exclusively with ``file_mode``;
     ``chmod``: set the mode again where the umask may have stripped it), ``fsync`` it when
     ``sync``, and rename it to ``dir/name``; an errno per job (0: published). A failed job
-    leaves no file behind. Called by ``PageTransfer``."""
+    leaves no file behind. Called by ``PosixEngine``."""
     errs = _batchio.write_chunks(root_fd, [(d.encode(), t.encode(), n.encode(), p) for d, t, n, p in jobs],
                                  file_mode, chmod, sync)
     _note(errs)

@@ -37,7 +37,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from gdskv.confined import open_data_file
+from gdskv.confined import open_data_file, umask_may_strip
+from gdskv.io import batch as batchio
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, host_view, tensor_bytes
 
 ALIGN = 4096
@@ -84,6 +85,16 @@ class PosixEngine(IoEngine):
 
     def write(self, path: str, segments: Sequence[Segment]) -> "Future[int]":
         return self._pool.submit(self.write_now, path, list(segments))
+
+    @property
+    def batches_chunks(self) -> bool:
+        return batchio.available()
+
+    def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, Sequence[batchio.Piece]]]) -> list[batchio.ReadResult]:
+        return batchio.read_chunks(root_fd, jobs, self.direct_reads)
+
+    def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[batchio.Piece]]]) -> list[int]:
+        return batchio.write_chunks(root_fd, jobs, self.file_mode, umask_may_strip(self.file_mode), self.fsync)
 
     def read_now(self, path: str, segments: Sequence[Segment]) -> int:
         fd = open_data_file(path, write=False)
