@@ -346,10 +346,12 @@ class KvService:
         with self._lock:
             self._inflight += len(disk)
             self._add({"loads_posted": len(disk)})
-        futures = transfer.load_pages(group, [(key, segments) for _, key, segments in disk], ready=ready)
-        for (i, key, segments), fut in zip(disk, futures):
-            out[i] = _counted(fut, lambda f, key=key, segments=segments: (
-                self._fill(f, LoadStatus.LOADED, rank, group, key, segments), self._loaded(f, nbytes, t0, transfer.ns)))
+        def count(futures: list[Future]) -> None:
+            for (i, key, segments), fut in zip(disk, futures):
+                out[i] = _counted(fut, lambda f, key=key, segments=segments: (
+                    self._fill(f, LoadStatus.LOADED, rank, group, key, segments), self._loaded(f, nbytes, t0, transfer.ns)))
+
+        transfer.load_pages(group, [(key, segments) for _, key, segments in disk], ready=ready, on_posted=count)
         return out
 
     def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
@@ -380,11 +382,15 @@ class KvService:
             self._inflight += len(items)
             self._add({"saves_posted": len(items)})
         out: list[Optional[Future]] = []
-        for (key, _, segments), fut in zip(items, transfer.save_pages(group, items, ready=ready)):
-            if self.remote is not None:
-                fut = self.remote.after_save(transfer.ns, group, key, fut)
-            out.append(_counted(fut, lambda f, key=key, segments=segments: (
-                self._fill(f, SaveStatus.PUBLISHED, rank, group, key, segments), self._saved(f, nbytes, t0, transfer.ns))))
+
+        def count(futures: list[Future]) -> None:
+            for (key, _, segments), fut in zip(items, futures):
+                if self.remote is not None:
+                    fut = self.remote.after_save(transfer.ns, group, key, fut)
+                out.append(_counted(fut, lambda f, key=key, segments=segments: (
+                    self._fill(f, SaveStatus.PUBLISHED, rank, group, key, segments), self._saved(f, nbytes, t0, transfer.ns))))
+
+        transfer.save_pages(group, items, ready=ready, on_posted=count)
         return out
 
     def _load_from_host(self, rank: int, group: int, key: bytes, segments: list[Any], ready: Optional[Any],

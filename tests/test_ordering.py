@@ -130,7 +130,8 @@ class FakeOrdering:
 
 
 class LoggingEngine:
-    """An I/O engine that logs every read and write of a transfer thread, then does it."""
+    """An I/O engine that logs every read and write of a transfer thread (per page and per
+    native slice), then does it."""
 
     def __init__(self, inner: Any, fake: FakeOrdering) -> None:
         self._inner, self._fake = inner, fake
@@ -143,6 +144,14 @@ class LoggingEngine:
         self._fake.note("io")
         return self._inner.write_now(path, segments)
 
+    def read_chunks_now(self, root_fd, jobs):
+        self._fake.note("io")
+        return self._inner.read_chunks_now(root_fd, jobs)
+
+    def write_chunks_now(self, root_fd, jobs):
+        self._fake.note("io")
+        return self._inner.write_chunks_now(root_fd, jobs)
+
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
@@ -150,8 +159,8 @@ class LoggingEngine:
 def drop_readiness(monkeypatch, transfer) -> None:
     """The negative control: this ``PageTransfer`` gets ``ready=None`` whatever it is passed."""
     save, load = transfer.save_pages, transfer.load_pages  # save_page / load_page go through these
-    monkeypatch.setattr(transfer, "save_pages", lambda group, items, ready=None: save(group, items))
-    monkeypatch.setattr(transfer, "load_pages", lambda group, items, ready=None: load(group, items))
+    monkeypatch.setattr(transfer, "save_pages", lambda group, items, ready=None, **kw: save(group, items, **kw))
+    monkeypatch.setattr(transfer, "load_pages", lambda group, items, ready=None, **kw: load(group, items, **kw))
 
 
 def let_it_misbehave(fake: FakeOrdering, drop: bool) -> None:

@@ -193,6 +193,8 @@ def _first_in_order(eff: np.ndarray, depth: np.ndarray, nbytes: np.ndarray, cand
     ``bytes_to_free`` bytes (all of them when they hold less), sorting only rows up to a
     threshold recency found by partition: a tenth of ten million rows sorts in a second, all of
     them in many."""
+    if candidates.size == 0:
+        return candidates
     k = min(candidates.size, max(1, int(bytes_to_free / max(1.0, float(nbytes[candidates].mean())) * 1.25) + 1))
     while True:
         if k >= candidates.size:
