@@ -343,6 +343,10 @@ class HeldEngine:
         assert self.go.wait(10)
         return self._inner.write_now(path, segments)
 
+    def write_chunks_now(self, root_fd, jobs):
+        assert self.go.wait(10)
+        return self._inner.write_chunks_now(root_fd, jobs)
+
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
