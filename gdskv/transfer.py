@@ -36,9 +36,12 @@ from gdskv.store import Namespace
 
 log = logging.getLogger(__name__)
 
-SLICE_PAGES = 16
-"""Most pages one native batch call moves (``PageTransfer._batch``): enough to amortize the call,
-few enough that a step's pages still spread over every transfer thread."""
+SLICE_PAGES = 64
+"""Most pages one native batch call moves (``PageTransfer._batch``): enough to amortize the call
+and its GIL round trip, few enough that a step's pages still spread over both callers."""
+NATIVE_CALLERS = 2
+"""Pool threads that pass slices to the native batch path at once: two, so that one verifies and
+resolves its slice (with the GIL) while the other's pages move (without it)."""
 
 
 class SaveStatus(enum.Enum):
@@ -197,10 +200,12 @@ class PageTransfer:
                 if attempt:
                     raise
 
-    def _save_slice(self, group: int, jobs: list[tuple[bytes, Optional[bytes], list[torch.Tensor]]]) -> list[SaveStatus]:
+    def _save_slice(self, group: int, jobs: list[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
+                    threads: int = 1) -> list[SaveStatus]:
         """``_save`` for a slice of pages through the native batch path: checks, admission and
-        sealing in Python, then one call writes and publishes every chunk with the GIL released.
-        A page the batch path cannot take, or that fails in it, goes through ``_save``."""
+        sealing in Python, then one call writes and publishes every chunk with the GIL released,
+        on ``threads`` native threads. A page the batch path cannot take, or that fails in it,
+        goes through ``_save``."""
         ns = self.ns
         expected = ns.spec.group(group).bytes_per_page
         present = ns.contains_many(group, [key for key, _, _ in jobs])
@@ -218,8 +223,7 @@ class PageTransfer:
                 ns.counters.add("saves_exists")
                 out[i] = SaveStatus.EXISTS
                 continue
-            if (not batchio.host_pages(segments) or (engine.o_direct and batchio.direct_capable(segments))
-                    or self._checksum not in (None, fmt.CHECKSUM_CRC32C)):  # aligned pools write O_DIRECT
+            if not batchio.host_pages(segments) or self._checksum not in (None, fmt.CHECKSUM_CRC32C):
                 out[i] = self._save(group, key, parent, segments)
                 continue
             if budget is not None and not budget.admit(ns, group, expected + fmt.TRAILER_BYTES, parent):
@@ -235,7 +239,7 @@ class PageTransfer:
             work.append((rel_dir, tmp, name, batchio.pieces_of(segments, trailer)))
             native.append(i)
         if work:
-            errs = engine.write_chunks_now(ns.store.fs.fd, work)
+            errs = engine.write_chunks_now(ns.store.fs.fd, work, threads)
             published = 0
             for i, err in zip(native, errs):
                 key, parent, segments = jobs[i]
@@ -305,21 +309,27 @@ class PageTransfer:
     def _batch(self, fn: Callable[..., Any], slice_fn: Callable[[int, list[tuple]], list[Any]], group: int,
                jobs: list[tuple], ready: Optional[Any], on_posted: Optional[Callable[[list[Future]], None]] = None
                ) -> list[Future]:
-        """Run the jobs on at most ``depth`` pool threads. Each thread waits on ``ready`` once,
+        """Run the jobs with ``depth`` pages in flight. Each pool thread waits on ``ready`` once,
         then takes slices of jobs until none is left and resolves their futures itself: a batch
-        costs ``depth`` hand-offs, not one per page (the per-page submit, wake-up and future of
-        the pool were a fifth of a warm 64 KiB load). Where the native batch path applies
-        (``gdskv.io.batch``), a slice is one call of ``slice_fn(group, jobs)``; otherwise
-        ``fn(group, *job)`` runs per page. Pages complete in any order; a cancelled future's
-        page is skipped. ``on_posted(futures)`` runs on the caller's thread before any worker
-        starts: callbacks attached there cost the caller no wait for the threads moving pages
-        (attached afterwards, each contends with them for the GIL, and one on a page already
-        done runs its callback on the caller's thread: a 512-page load posted that way took a
-        third of a second of the serving thread)."""
+        costs a few hand-offs, not one per page (the per-page submit, wake-up and future of the
+        pool were a fifth of a warm 64 KiB load). Where the native batch path applies
+        (``gdskv.io.batch``), at most ``NATIVE_CALLERS`` pool threads each pass slices of up to
+        ``SLICE_PAGES`` pages to ``slice_fn(group, jobs, inner)``, which moves them on ``inner``
+        native threads without the GIL (``callers * inner`` <= ``depth``): Python threads
+        contending for the GIL were what slowed both the pages and the serving thread.
+        Otherwise ``depth`` pool threads run ``fn(group, *job)`` per page. Pages complete in any
+        order; a cancelled future's page is skipped. ``on_posted(futures)`` runs on the caller's
+        thread before any worker starts: callbacks attached there cost the caller no wait for
+        the threads moving pages (attached afterwards, each contends with them for the GIL, and
+        one on a page already done runs its callback, a host-tier fill, on the caller's thread)."""
         futures: list[Future] = [Future() for _ in jobs]
-        threads = min(self.depth, len(jobs))
         native = self._batchable()
-        size = max(1, min(SLICE_PAGES, len(jobs) // (threads * 4))) if native else 1
+        if native:
+            threads = min(NATIVE_CALLERS, len(jobs))
+            inner = max(1, self.depth // threads)
+            size = max(1, min(SLICE_PAGES, -(-len(jobs) // (threads * 2))))
+        else:
+            threads, inner, size = min(self.depth, len(jobs)), 1, 1
         slices = iter(range(0, len(jobs), size))  # next() on a range iterator is atomic under the GIL
 
         def worker() -> None:
@@ -329,7 +339,7 @@ class PageTransfer:
                 picked = [i for i in range(start, min(start + size, len(jobs))) if futures[i].set_running_or_notify_cancel()]
                 try:
                     if native:
-                        results = slice_fn(group, [jobs[i] for i in picked])
+                        results = slice_fn(group, [jobs[i] for i in picked], inner)
                     else:
                         results = [fn(group, *jobs[i]) for i in picked]
                 except BaseException as e:  # noqa: BLE001 - delivered through the pages' futures
@@ -396,9 +406,10 @@ class PageTransfer:
         ns.counters.add("bytes_read", nbytes)
         return LoadStatus.LOADED
 
-    def _load_slice(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor]]]) -> list[LoadStatus]:
+    def _load_slice(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor]]], threads: int = 1) -> list[LoadStatus]:
         """``_load`` for a slice of pages through the native batch path: one call opens, reads
-        and checksums every chunk with the GIL released; the trailers are verified here. A page
+        and checksums every chunk with the GIL released, on ``threads`` native threads; the
+        trailers are verified here. A page
         the batch path cannot take, or that fails in it (missing, short, corrupt, refused), goes
         through ``_load``, which classifies and counts it."""
         ns = self.ns
@@ -424,7 +435,7 @@ class PageTransfer:
                 budget.pin(pinned[-1])
         if work:
             try:
-                results = self.engine.read_chunks_now(fs.fd, work)
+                results = self.engine.read_chunks_now(fs.fd, work, threads)
             finally:
                 for path in pinned:
                     budget.unpin(path)

@@ -197,10 +197,10 @@ def test_max_load_returns_while_every_read_is_still_blocked(tmp_path):
             assert self.gate.wait(30), "the test never opened the gate"
             return super().read_now(path, segments)
 
-        def read_chunks_now(self, root_fd, jobs):  # type: ignore[override]
+        def read_chunks_now(self, root_fd, jobs, threads=1):  # type: ignore[override]
             self.readers.add(threading.get_ident())
             assert self.gate.wait(30), "the test never opened the gate"
-            return super().read_chunks_now(root_fd, jobs)
+            return super().read_chunks_now(root_fd, jobs, threads)
 
     leaves = {"full": KVCacheGroupId.full()}
     pages = torch.randint(0, 256, (8, 512), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))

@@ -315,13 +315,13 @@ class GatedEngine(PosixEngine):
         self.gate.wait(10)
         return super().write_now(path, segments)
 
-    def read_chunks_now(self, root_fd, jobs):
+    def read_chunks_now(self, root_fd, jobs, threads=1):
         self.gate.wait(10)
-        return super().read_chunks_now(root_fd, jobs)
+        return super().read_chunks_now(root_fd, jobs, threads)
 
-    def write_chunks_now(self, root_fd, jobs):
+    def write_chunks_now(self, root_fd, jobs, threads=1):
         self.gate.wait(10)
-        return super().write_chunks_now(root_fd, jobs)
+        return super().write_chunks_now(root_fd, jobs, threads)
 
 
 def test_transfers_are_asynchronous_and_publish_only_when_written(store_path):

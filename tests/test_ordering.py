@@ -144,13 +144,13 @@ class LoggingEngine:
         self._fake.note("io")
         return self._inner.write_now(path, segments)
 
-    def read_chunks_now(self, root_fd, jobs):
+    def read_chunks_now(self, root_fd, jobs, threads=1):
         self._fake.note("io")
-        return self._inner.read_chunks_now(root_fd, jobs)
+        return self._inner.read_chunks_now(root_fd, jobs, threads)
 
-    def write_chunks_now(self, root_fd, jobs):
+    def write_chunks_now(self, root_fd, jobs, threads=1):
         self._fake.note("io")
-        return self._inner.write_chunks_now(root_fd, jobs)
+        return self._inner.write_chunks_now(root_fd, jobs, threads)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -343,9 +343,9 @@ class HeldEngine:
         assert self.go.wait(10)
         return self._inner.write_now(path, segments)
 
-    def write_chunks_now(self, root_fd, jobs):
+    def write_chunks_now(self, root_fd, jobs, threads=1):
         assert self.go.wait(10)
-        return self._inner.write_chunks_now(root_fd, jobs)
+        return self._inner.write_chunks_now(root_fd, jobs, threads)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

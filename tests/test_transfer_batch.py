@@ -4,6 +4,7 @@ thread that moves a page, before it moves one; a bad or missing chunk is that pa
 Every test runs on the native batch path (``gdskv.io.batch``) and on the per-page Python path."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -89,23 +90,25 @@ def test_every_thread_waits_for_readiness_before_it_moves_a_page_and_depth_bound
     lock = threading.Lock()
     gate = Gate()
 
-    def moving(real):
+    def moving(real, in_flight=lambda *args: 1):
         def move(*args):
             assert gate.open.is_set(), "a page moved before its readiness"
+            n = in_flight(*args)
             with lock:
                 movers.add(threading.get_ident())
-                active[0] += 1
+                active[0] += n
                 peak[0] = max(peak[0], active[0])
             try:
                 time.sleep(0.002)
                 return real(*args)
             finally:
                 with lock:
-                    active[0] -= 1
+                    active[0] -= n
         return move
 
     monkeypatch.setattr(x.engine, "read_now", moving(x.engine.read_now))
-    monkeypatch.setattr(batchio, "read_chunks", moving(batchio.read_chunks))
+    # a native call moves min(threads, jobs) pages at once on threads of its own
+    monkeypatch.setattr(batchio, "read_chunks", moving(batchio.read_chunks, lambda fd, jobs, direct, threads: min(threads, len(jobs))))
     dst = torch.zeros(20, PAGE, dtype=torch.uint8)
     futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(20)], ready=gate)
     time.sleep(0.05)
@@ -128,4 +131,47 @@ def test_a_cancelled_page_of_a_batch_is_skipped(store_path):
     gate.open.set()
     assert [f.result() for f in futures[:3]] == [LoadStatus.LOADED] * 3
     assert futures[3].cancelled() and not dst[3].any()
+    x.close()
+
+
+def test_many_pages_round_trip_with_several_pages_in_flight_per_call(store_path):
+    """Depth 8: two callers, each native call moving its slice on four threads of its own."""
+    x = make(store_path, depth=8)
+    n = 16 * 24
+    keys = chain_keys(list(range(16 * n)), 16, "wide")
+    src, dst = pool(n, 5), torch.zeros(n, PAGE, dtype=torch.uint8)
+    saved = x.save_pages(0, [(keys[i], keys[i - 1] if i else None, [src[i]]) for i in range(n)])
+    assert [f.result() for f in saved] == [SaveStatus.PUBLISHED] * n
+    loaded = x.load_pages(0, [(keys[i], [dst[i]]) for i in range(n)])
+    assert [f.result() for f in loaded] == [LoadStatus.LOADED] * n
+    assert torch.equal(src, dst)
+    x.close()
+
+
+def test_direct_saves_of_an_unaligned_pool_write_whole_blocks_past_the_page_cache(store_path, io_path):
+    """A plain torch pool (rows at no 4 KiB boundary) with ``o_direct``: the chunk's whole blocks
+    go out with O_DIRECT (staged), only its last partial block (payload tail and trailer)
+    through the page cache, laid out in one extent; the bytes read back exactly."""
+    from test_io_engines import _extents, _resident_pages
+
+    x = make(store_path, depth=2)
+    src = pool(3, 6)
+    assert src[1].data_ptr() % 4096  # unaligned, as torch hands pages over
+    for i in range(3):  # a store in service has its chunk directories (a first save makes them)
+        os.makedirs(os.path.dirname(x.ns.chunk_path(0, KEYS[i])), exist_ok=True)
+    assert [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(3)])] == [SaveStatus.PUBLISHED] * 3
+    path = x.ns.chunk_path(0, KEYS[1])
+    size = os.path.getsize(path)
+    assert size == PAGE + 128
+    try:
+        extents = _extents(path)
+    except OSError:
+        pytest.skip("this file system has no FIEMAP")
+    if io_path == "native":  # the per-page path writes unaligned memory through the page cache
+        assert _resident_pages(path) == 1, "whole blocks went through the page cache"
+    for (log_a, phys_a, len_a), (log_b, phys_b, _) in zip(extents, extents[1:]):
+        assert log_b == log_a + len_a and phys_b == phys_a + len_a, f"chunk split on disk: {extents}"
+    dst = torch.zeros(3, PAGE, dtype=torch.uint8)
+    assert [f.result() for f in x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(3)])] == [LoadStatus.LOADED] * 3
+    assert torch.equal(src, dst)
     x.close()

@@ -11,16 +11,22 @@
  * touches nothing else; the caller redoes it on the Python path, which sorts the failure out
  * (missing, refused, corrupt, disk full) with its counters and log lines.
  *
- * read_chunks(root_fd, jobs, crc_fn, direct) -> list[(err, crc)]
+ * read_chunks(root_fd, jobs, crc_fn, direct, threads) -> list[(err, crc)]
  *   jobs: [(relpath: bytes, pieces: [(address, length), ...]), ...]; the pieces lie end to end
  *   in the file from offset 0 and the last one is the chunk's trailer. err 0: every byte read,
  *   crc = CRC32C of all pieces but the last (crc_fn: the address of google-crc32c's
  *   crc32c_extend). On success the file's times are refreshed (eviction ranks by recency).
  *   direct: read chunks not wholly in the page cache with O_DIRECT, aligned pieces in place and
  *   the rest through an aligned staging buffer.
- * write_chunks(root_fd, jobs, file_mode, chmod, sync) -> list[err]
+ * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads) -> list[err]
  *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces), ...]; writes the pieces end to end
  *   into dir/tmp (created exclusively), optionally fsyncs it, and renames it to dir/name.
+ *   direct: the file's whole 4 KiB blocks go out with O_DIRECT (from the pieces where they are
+ *   aligned, else from an aligned staging copy) and, once that write returned, the rest (the
+ *   payload's last partial block and the trailer) through the page cache; the file is
+ *   preallocated first so both land in one extent.
+ * threads: jobs of one call run on that many threads of its own (at most 64), each with its own
+ *   staging buffer, so one call keeps several requests in flight without Python.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,6 +34,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/openat2.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +45,7 @@
 
 #define ALIGN 4096
 #define MAX_PIECES 64
+#define MAX_THREADS 64
 #define ERR_SHORT (-1)   /* the file ended before every byte was read */
 #define ERR_NOT_REGULAR (-2)
 #ifndef SYS_cachestat
@@ -166,7 +174,61 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
     close(fd);
 }
 
-static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sync) {
+/* The leading whole blocks of a chunk, written with O_DIRECT on `fd` (O_DIRECT is set for the
+ * call and cleared after): from the pieces themselves when every piece before the cut is
+ * aligned, else copied into `staging` (at least `cut` bytes, aligned). 0, or an errno. */
+static int write_head_direct(int fd, job_t *j, size_t cut, char *staging) {
+    struct iovec iov[MAX_PIECES];
+    int k = 0;
+    size_t covered = 0;
+    while (k < j->npieces && covered < cut && aligned(&j->pieces[k]) && covered + j->pieces[k].iov_len <= cut) {
+        iov[k] = j->pieces[k];
+        covered += j->pieces[k].iov_len;
+        k++;
+    }
+    int n = k;
+    if (covered < cut) {
+        size_t pos = 0;
+        for (int i = 0; i < j->npieces && pos < cut; i++) {
+            size_t take = j->pieces[i].iov_len;
+            if (take > cut - pos) take = cut - pos;
+            memcpy(staging + pos, j->pieces[i].iov_base, take);
+            pos += take;
+        }
+        iov[0].iov_base = staging;
+        iov[0].iov_len = cut;
+        n = 1;
+    }
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags | O_DIRECT) != 0) return EINVAL;
+    ssize_t put = move_all(fd, iov, n, 0, 1);
+    int err = put < 0 ? errno : ((size_t)put != cut ? EIO : 0);
+    if (fcntl(fd, F_SETFL, flags) != 0 && !err) err = errno;
+    return err;
+}
+
+/* The pieces from byte `from` of the chunk to its end, through the page cache. */
+static int write_rest(int fd, job_t *j, size_t from) {
+    struct iovec iov[MAX_PIECES];
+    int n = 0;
+    size_t pos = 0, want = 0;
+    for (int i = 0; i < j->npieces; i++) {
+        size_t len = j->pieces[i].iov_len;
+        if (pos + len > from) {
+            size_t skip = from > pos ? from - pos : 0;
+            iov[n].iov_base = (char *)j->pieces[i].iov_base + skip;
+            iov[n].iov_len = len - skip;
+            want += len - skip;
+            n++;
+        }
+        pos += len;
+    }
+    if (!n) return 0;
+    ssize_t put = move_all(fd, iov, n, (off_t)from, 1);
+    return put < 0 ? errno : ((size_t)put != want ? EIO : 0);
+}
+
+static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sync, int direct, char *staging) {
     int dfd = open_beneath(root, j->path, O_PATH | O_DIRECTORY, 0);
     if (dfd < 0) {
         j->err = errno;
@@ -180,18 +242,68 @@ static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sy
     }
     int err = 0;
     size_t want = total_len(j->pieces, j->npieces);
+    size_t cut = direct && staging ? want / ALIGN * ALIGN : 0;
     if (do_chmod && fchmod(fd, file_mode) != 0) err = errno;
-    if (!err) {
-        ssize_t put = move_all(fd, j->pieces, j->npieces, 0, 1);
-        if (put < 0) err = errno;
-        else if ((size_t)put != want) err = EIO;
+    if (!err && cut) {
+        if (fallocate(fd, 0, 0, (off_t)want) != 0 && errno != EOPNOTSUPP) err = errno;
+        if (!err) {
+            err = write_head_direct(fd, j, cut, staging);
+            if (err == EINVAL) {  /* the file system refuses O_DIRECT here: all of it buffered */
+                err = 0;
+                cut = 0;
+            }
+        }
     }
+    if (!err) err = write_rest(fd, j, cut);
     if (!err && do_sync && fsync(fd) != 0) err = errno;
     if (close(fd) != 0 && !err) err = errno;
     if (!err && renameat(dfd, j->tmp, dfd, j->name) != 0) err = errno;
     if (err) unlinkat(dfd, j->tmp, 0);
     close(dfd);
     j->err = err;
+}
+
+/* Jobs of one call spread over worker threads: each takes the next job until none is left. */
+typedef struct {
+    job_t *jobs;
+    Py_ssize_t n;
+    Py_ssize_t next;  /* taken with __atomic_fetch_add */
+    int writes, root, direct, file_mode, do_chmod, do_sync;
+    crc_fn_t crc;
+    size_t staging_bytes;
+} batch_t;
+
+static void *run_batch(void *arg) {
+    batch_t *b = arg;
+    char *staging = NULL;
+    if (b->direct && posix_memalign((void **)&staging, ALIGN, b->staging_bytes) != 0) staging = NULL;
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
+        if (i >= b->n) break;
+        if (b->writes) write_one(b->root, &b->jobs[i], b->file_mode, b->do_chmod, b->do_sync, b->direct, staging);
+        else read_one(b->root, &b->jobs[i], b->crc, b->direct, staging);
+    }
+    free(staging);
+    return NULL;
+}
+
+/* Runs the batch on `threads` threads (this one included); called with the GIL released. */
+static void run_threads(batch_t *b, int threads) {
+    for (Py_ssize_t i = 0; i < b->n; i++) {
+        size_t t = total_len(b->jobs[i].pieces, b->jobs[i].npieces);
+        if (t > b->staging_bytes) b->staging_bytes = t;
+    }
+    b->staging_bytes = (b->staging_bytes + 2 * ALIGN - 1) / ALIGN * ALIGN;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > b->n) threads = (int)b->n;
+    pthread_t tids[MAX_THREADS];
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tids[started], NULL, run_batch, b) != 0) break;  /* fewer threads, same work */
+        started++;
+    }
+    run_batch(b);
+    for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
 }
 
 static char *copy_bytes(PyObject *b) {
@@ -270,10 +382,10 @@ static job_t *parse_jobs(PyObject *list, Py_ssize_t *count, int writes) {
 }
 
 static PyObject *read_chunks(PyObject *self, PyObject *args) {
-    int root, direct;
+    int root, direct, threads;
     PyObject *list;
     unsigned long long crc_addr;
-    if (!PyArg_ParseTuple(args, "iOKp", &root, &list, &crc_addr, &direct)) return NULL;
+    if (!PyArg_ParseTuple(args, "iOKpi", &root, &list, &crc_addr, &direct, &threads)) return NULL;
     if (!crc_addr) {
         PyErr_SetString(PyExc_ValueError, "read_chunks needs crc32c_extend");
         return NULL;
@@ -281,16 +393,9 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
     Py_ssize_t n;
     job_t *jobs = parse_jobs(list, &n, 0);
     if (!jobs) return NULL;
-    size_t most = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        size_t t = total_len(jobs[i].pieces, jobs[i].npieces);
-        if (t > most) most = t;
-    }
-    char *staging = NULL;
+    batch_t b = {jobs, n, 0, 0, root, direct, 0, 0, 0, (crc_fn_t)(uintptr_t)crc_addr, 0};
     Py_BEGIN_ALLOW_THREADS
-    if (direct && posix_memalign((void **)&staging, ALIGN, most + ALIGN) != 0) staging = NULL;
-    for (Py_ssize_t i = 0; i < n; i++) read_one(root, &jobs[i], (crc_fn_t)(uintptr_t)crc_addr, direct, staging);
-    free(staging);
+    run_threads(&b, threads);
     Py_END_ALLOW_THREADS
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
@@ -306,14 +411,15 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
 }
 
 static PyObject *write_chunks(PyObject *self, PyObject *args) {
-    int root, file_mode, do_chmod, do_sync;
+    int root, file_mode, do_chmod, do_sync, direct, threads;
     PyObject *list;
-    if (!PyArg_ParseTuple(args, "iOipp", &root, &list, &file_mode, &do_chmod, &do_sync)) return NULL;
+    if (!PyArg_ParseTuple(args, "iOipppi", &root, &list, &file_mode, &do_chmod, &do_sync, &direct, &threads)) return NULL;
     Py_ssize_t n;
     job_t *jobs = parse_jobs(list, &n, 1);
     if (!jobs) return NULL;
+    batch_t b = {jobs, n, 0, 1, root, direct, file_mode, do_chmod, do_sync, NULL, 0};
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) write_one(root, &jobs[i], file_mode, do_chmod, do_sync);
+    run_threads(&b, threads);
     Py_END_ALLOW_THREADS
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLong(jobs[i].err));

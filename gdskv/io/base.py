@@ -92,15 +92,18 @@ class IoEngine(abc.ABC):
         native call (``gdskv.io.batch``); the transfer layer asks before each batch."""
         return False
 
-    def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, Sequence[tuple[int, int]]]]) -> list:
-        """Read and checksum whole chunk files beneath ``root_fd`` into host memory, on the
-        calling thread: one ``gdskv.io.batch.ReadResult`` per job. Called by the transfer
-        layer's threads with a slice of a step's pages, only where ``batches_chunks``."""
+    def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, Sequence[tuple[int, int]]]],
+                        threads: int = 1) -> list:
+        """Read and checksum whole chunk files beneath ``root_fd`` into host memory before
+        returning, ``threads`` of them at a time: one ``gdskv.io.batch.ReadResult`` per job.
+        Called by the transfer layer's threads with a slice of a step's pages, only where
+        ``batches_chunks``."""
         raise NotImplementedError
 
-    def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[tuple[int, int]]]]) -> list[int]:
-        """Write and publish whole chunk files beneath ``root_fd`` from host memory, on the
-        calling thread: an errno per job, 0 when published (see ``read_chunks_now``)."""
+    def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[tuple[int, int]]]],
+                         threads: int = 1) -> list[int]:
+        """Write and publish whole chunk files beneath ``root_fd`` from host memory before
+        returning: an errno per job, 0 when published (see ``read_chunks_now``)."""
         raise NotImplementedError
 
     def register_buffers(self, tensors: Iterable[torch.Tensor]) -> int:

@@ -61,24 +61,27 @@ def _note(errs: Sequence[int]) -> None:
         _working = False
 
 
-def read_chunks(root_fd: int, jobs: Sequence[tuple[str, Sequence[Piece]]], direct: bool) -> list[ReadResult]:
+def read_chunks(root_fd: int, jobs: Sequence[tuple[str, Sequence[Piece]]], direct: bool, threads: int = 1) -> list[ReadResult]:
     """Read each job's chunk (``rel``: its path from the store root) into its pieces and
-    checksum the payload. ``direct``: chunks not wholly in the page cache are read with
-    O_DIRECT (aligned pieces in place, the rest staged). Called by ``PosixEngine``."""
+    checksum the payload, on ``threads`` native threads. ``direct``: chunks not wholly in the
+    page cache are read with O_DIRECT (aligned pieces in place, the rest staged). Called by
+    ``PosixEngine``."""
     out = [ReadResult(err, crc) for err, crc in
-           _batchio.read_chunks(root_fd, [(rel.encode(), pieces) for rel, pieces in jobs], _CRC, direct)]
+           _batchio.read_chunks(root_fd, [(rel.encode(), pieces) for rel, pieces in jobs], _CRC, direct, threads)]
     _note([r.err for r in out])
     return out
 
 
 def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piece]]], file_mode: int,
-                 chmod: bool, sync: bool) -> list[int]:
+                 chmod: bool, sync: bool, direct: bool, threads: int = 1) -> list[int]:
     """Write each job's pieces into ``dir/tmp`` (created exclusively with ``file_mode``;
     ``chmod``: set the mode again where the umask may have stripped it), ``fsync`` it when
-    ``sync``, and rename it to ``dir/name``; an errno per job (0: published). A failed job
-    leaves no file behind. Called by ``PosixEngine``."""
+    ``sync``, and rename it to ``dir/name``, on ``threads`` native threads; an errno per job (0:
+    published). ``direct``: the chunk's whole 4 KiB blocks with O_DIRECT (staged when the pieces
+    are not aligned), the rest after them through the page cache. A failed job leaves no file
+    behind. Called by ``PosixEngine``."""
     errs = _batchio.write_chunks(root_fd, [(d.encode(), t.encode(), n.encode(), p) for d, t, n, p in jobs],
-                                 file_mode, chmod, sync)
+                                 file_mode, chmod, sync, direct, threads)
     _note(errs)
     return errs
 
@@ -87,12 +90,6 @@ def host_pages(tensors: Sequence) -> bool:
     """Whether the batch path can take a page's tensors: contiguous CPU tensors, not too many
     (the per-page path handles the rest)."""
     return len(tensors) < MAX_PIECES and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-
-
-def direct_capable(tensors: Sequence) -> bool:
-    """Whether every tensor's address and length are ``ALIGN``-aligned (huge-page or pinned
-    pools): the per-page path writes such pages with O_DIRECT where configured."""
-    return all(t.data_ptr() % ALIGN == 0 and (t.numel() * t.element_size()) % ALIGN == 0 for t in tensors)
 
 
 def pieces_of(tensors: Sequence, trailer: bytearray) -> Optional[list[Piece]]:

@@ -90,11 +90,14 @@ class PosixEngine(IoEngine):
     def batches_chunks(self) -> bool:
         return batchio.available()
 
-    def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, Sequence[batchio.Piece]]]) -> list[batchio.ReadResult]:
-        return batchio.read_chunks(root_fd, jobs, self.direct_reads)
+    def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, Sequence[batchio.Piece]]],
+                        threads: int = 1) -> list[batchio.ReadResult]:
+        return batchio.read_chunks(root_fd, jobs, self.direct_reads, threads)
 
-    def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[batchio.Piece]]]) -> list[int]:
-        return batchio.write_chunks(root_fd, jobs, self.file_mode, umask_may_strip(self.file_mode), self.fsync)
+    def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[batchio.Piece]]],
+                         threads: int = 1) -> list[int]:
+        return batchio.write_chunks(root_fd, jobs, self.file_mode, umask_may_strip(self.file_mode), self.fsync,
+                                    self.o_direct, threads)
 
     def read_now(self, path: str, segments: Sequence[Segment]) -> int:
         fd = open_data_file(path, write=False)
