@@ -73,8 +73,8 @@ class BenchOptions:
     engines: tuple[str, ...] = ("posix+o_direct", "posix")
     pools: tuple[str, ...] = ("torch",)
     peers: tuple[str, ...] = ("vllm", "lmcache")
-    io_threads: int = 8
-    transfer_threads: int = 8
+    io_threads: int = GdsKvConfig.io_threads
+    transfer_threads: int = GdsKvConfig.io_threads
     kvikio_threads: int = 4
     kvikio_task_size: int = 4 << 20
     baselines: bool = True
@@ -606,8 +606,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool
                         help="comma-separated engines for the store: posix or kvikio (o_direct off), "
                         "+o_direct (O_DIRECT reads and writes, the default config), +direct_writes "
                         "(O_DIRECT writes only); one kvikio label at most")
-    parser.add_argument("--io-threads", type=int, default=8)
-    parser.add_argument("--transfer-threads", type=int, default=8)
+    parser.add_argument("--io-threads", type=int, default=GdsKvConfig.io_threads)
+    parser.add_argument("--transfer-threads", type=int, default=GdsKvConfig.io_threads)
     parser.add_argument("--kvikio-threads", type=int, default=4)
     parser.add_argument("--kvikio-task-size", default="4M")
     parser.add_argument("--no-baselines", action="store_true", help="measure the store only")

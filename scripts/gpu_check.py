@@ -28,7 +28,11 @@ serve them, and the page cache would hide the disk). The checks, one row each:
 - ``peak reserved memory``: growth of ``torch.cuda.max_memory_reserved`` over the pools while the
   transfers ran, against ``--max-reserved-growth``;
 - ``TensorRT-LLM worker``: ``GdsKvScheduler`` / ``GdsKvWorker`` driven through one prefill with a
-  real CUDA stream (its saves wait on the stream's event), then a fresh worker loads the pages.
+  real CUDA stream (its saves wait on the stream's event), then a fresh worker loads the pages;
+- ``MAX connector``: ``GdsKvConnector`` over CUDA blocks with MAX's stream given: blocks written
+  late by a kernel on it are offloaded as written, then loaded into other blocks, compared;
+- ``host tier``: pages saved from CUDA through ``KvService`` with the host tier on (pinned) are
+  loaded back as tier hits, and with it off from disk, compared, GB/s of both.
 
 ``--device cpu`` is a dry run of the checks that host memory allows: it prints the table and
 exits 3, never 0. The whole run takes well under 5 minutes.
@@ -464,23 +468,96 @@ class Checks:
         finally:
             transfer.close()
 
+    def max_connector(self) -> Result:
+        """MAX's KVConnector over CUDA blocks with MAX's stream given (``engine_streams``): blocks
+        written late by a kernel on that stream are offloaded as the kernel left them, then loaded
+        into other blocks of the same pool (read to scratch, verified, copied in stream order)."""
+        from gdskv.config import GdsKvConfig
+        from gdskv.connectors.max import GdsKvConnector, LeafMemory
+        from gdskv.connectors.max.types import KVCacheGroupId
+
+        pages = torch.zeros(8, 64 * KiB, dtype=torch.uint8, device=self.device)
+        stream = torch.cuda.Stream() if self.cuda else None
+        conn = GdsKvConnector({"full": KVCacheGroupId.full()}, [{"full": LeafMemory((pages,), False)}],
+                              model="gpu-check/max", dtype="uint8", tokens_per_block=16,
+                              config=GdsKvConfig(store_path=str(self.workdir / "store-max"), host_bytes=0),
+                              engine=self.engine, engine_streams={pages.device: stream} if stream is not None else None)
+        hashes = [i.to_bytes(8, "big") for i in range(1, 5)]
+        try:
+            if stream is not None:
+                with torch.cuda.stream(stream):  # the step that writes the blocks is still running
+                    torch.cuda._sleep(SLEEP_CYCLES)
+                    for b in range(4):
+                        pages[b].fill_(b + 1)
+            else:
+                for b in range(4):
+                    pages[b].fill_(b + 1)
+            saved = conn.offload({"full": [0, 1, 2, 3]}, {"full": hashes})
+            saved.synchronize()
+            assert saved.is_complete()
+            for b, h in enumerate(hashes):
+                with open(conn.namespaces[0].chunk_path(0, h), "rb") as f:
+                    assert f.read(64 * KiB) == bytes([b + 1]) * (64 * KiB), f"block {b} saved before MAX's stream wrote it"
+            assert all(conn.lookup(hashes)["full"])
+            loaded = conn.load({"full": [4, 5, 6, 7]}, {"full": hashes})
+            loaded.synchronize()
+            self.sync()
+            assert torch.equal(pages[4:8], pages[0:4]), "loaded blocks differ"
+        finally:
+            conn.shutdown()
+        how = "written late on MAX's stream (its event awaited)" if stream is not None else "in host memory (dry run)"
+        return Result("MAX connector", PASS, f"4 blocks of 64 KiB {how}, offloaded as written, loaded into other blocks, equal")
+
+    def host_tier(self) -> Result:
+        """The host tier in front of the disk (pinned where CUDA is): a page saved from device
+        memory is written through to the tier; loaded twice into a zeroed page, the first load is
+        a hit from the tier, bytes compared; with the tier off the same load comes from disk."""
+        from gdskv.config import GdsKvConfig
+        from gdskv.service import KvService
+        from gdskv.store import NamespaceSpec
+        from gdskv.transfer import LoadStatus, SaveStatus, page_segments
+
+        layout, regions, transfer = self._store("host-tier-layout", [(16, 96 * KiB + 2), (16, 160 * KiB - 4)])
+        transfer.close()
+        group = layout.group(0)
+        spec = NamespaceSpec.from_layout(layout, model="gpu-check-host-tier")
+        rows = []
+        for host_bytes in ("64M", 0):
+            service = KvService(GdsKvConfig(store_path=str(self.workdir / f"store-host-{host_bytes}"), host_bytes=host_bytes),
+                                spec, engine=self.engine)
+            try:
+                keys = [os.urandom(32) for _ in range(8)]
+                saved = [service.save(0, k, None, page_segments(group, s)).result() for s, k in enumerate(keys)]
+                assert all(st is SaveStatus.PUBLISHED for st in saved), saved
+                original = [r[:8].clone() for r in regions]
+                for r in regions:
+                    r[8:].zero_()
+                self.sync()
+                t0 = time.perf_counter()
+                got = [service.load(0, k, page_segments(group, 8 + s)).result() for s, k in enumerate(keys)]
+                seconds = time.perf_counter() - t0
+                self.sync()
+                assert all(st is LoadStatus.LOADED for st in got), got
+                assert all(torch.equal(r[8:].view(torch.int16), o.view(torch.int16)) for r, o in zip(regions, original)), "loaded pages differ"
+                hits = service.counters.host_hits
+                want = 8 if host_bytes else 0
+                assert hits == want, f"host_bytes={host_bytes}: {hits} host-tier hits, expected {want}"
+                nbytes = group.bytes_per_page * 8
+                rows.append(f"{'tier' if host_bytes else 'disk'} {nbytes / seconds / 1e9:.2f} GB/s")
+            finally:
+                service.close()
+        return Result("host tier", PASS, f"8 pages of {group.bytes_per_page // KiB} KiB in 2 unaligned regions saved from "
+                      f"{self.device}, loaded back: {', '.join(rows)} (host hits 8 / 0), equal")
+
     def trtllm_worker(self) -> Result:
         """One prefill through GdsKvScheduler/GdsKvWorker with a real CUDA stream, then a fresh
         worker loads the pages into a zeroed pool (as tests/test_trtllm_connector.py drives them)."""
-        tpb, layers = 16, 2
-        store_before = os.environ.get("GDSKV_STORE")
-        os.environ["GDSKV_STORE"] = str(self.workdir / "store-trtllm")
-        try:
-            return self._trtllm_steps(tpb, layers)
-        finally:
-            if store_before is None:
-                os.environ.pop("GDSKV_STORE", None)
-            else:
-                os.environ["GDSKV_STORE"] = store_before
-
-    def _trtllm_steps(self, tpb: int, layers: int) -> Result:
         from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
+        from gdskv.config import GdsKvConfig
         from gdskv.engine.requests import RequestData, SchedulerOutput
+
+        tpb, layers = 16, 2
+        config = GdsKvConfig(store_path=str(self.workdir / "store-trtllm"))
 
         tokens = list(range(5, 5 + 4 * tpb + 3))  # 4 full blocks
         pages = [3, 7, 1, 9, 4]
@@ -488,7 +565,7 @@ class Checks:
 
         def step(pool: torch.Tensor, request_id: int, computed: int, fill: bool) -> tuple[GdsKvWorker, GdsKvScheduler]:
             args = StandaloneLlmArgs.build("gpu-check/model", tpb)
-            scheduler, worker = GdsKvScheduler(args), GdsKvWorker(args)
+            scheduler, worker = GdsKvScheduler(args, config=config), GdsKvWorker(args, config=config)
             worker.register_kv_caches(pool)
             request = type("Req", (), {"request_id": request_id, "get_tokens": lambda self, beam: list(tokens)})()
             matched, _ = scheduler.get_num_new_matched_tokens(request, 0)
@@ -559,6 +636,8 @@ class Checks:
                                        f"max_memory_reserved grew {growth / MiB:.0f} MiB over {base / MiB:.0f} MiB during the "
                                        f"checks above, their ~40 MiB of pools included (limit {limit / MiB:.0f} MiB)"))
         self.run("TensorRT-LLM worker", self.trtllm_worker)
+        self.run("MAX connector", self.max_connector)
+        self.run("host tier", self.host_tier)
         return self.results
 
 

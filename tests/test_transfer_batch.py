@@ -108,7 +108,7 @@ def test_every_thread_waits_for_readiness_before_it_moves_a_page_and_depth_bound
 
     monkeypatch.setattr(x.engine, "read_now", moving(x.engine.read_now))
     # a native call moves min(threads, jobs) pages at once on threads of its own
-    monkeypatch.setattr(batchio, "read_chunks", moving(batchio.read_chunks, lambda fd, jobs, direct, threads: min(threads, len(jobs))))
+    monkeypatch.setattr(batchio, "read_chunks", moving(batchio.read_chunks, lambda fd, jobs, direct, threads, *staging: min(threads, len(jobs))))
     dst = torch.zeros(20, PAGE, dtype=torch.uint8)
     futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(20)], ready=gate)
     time.sleep(0.05)

@@ -27,6 +27,10 @@
  *   preallocated first so both land in one extent.
  * threads: jobs of one call run on that many threads of its own (at most 64), each with its own
  *   staging buffer, so one call keeps several requests in flight without Python.
+ * staging, staging_len (the last two arguments of both): the caller's aligned memory for those
+ *   buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an O_DIRECT request
+ *   into 4 KiB pages is cut at the queue's segment limit (254 pages on the disks measured), one
+ *   into huge pages is not. Where it is too small (or 0), each thread allocates its own.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -270,32 +274,56 @@ typedef struct {
     Py_ssize_t next;  /* taken with __atomic_fetch_add */
     int writes, root, direct, file_mode, do_chmod, do_sync;
     crc_fn_t crc;
-    size_t staging_bytes;
+    size_t staging_bytes;  /* per thread */
+    char *ext;             /* the caller's staging memory (huge-page or pinned), or NULL */
+    size_t ext_len;
+    int next_slot;         /* taken with __atomic_fetch_add: which part of `ext` a thread uses */
 } batch_t;
 
 static void *run_batch(void *arg) {
     batch_t *b = arg;
-    char *staging = NULL;
-    if (b->direct && posix_memalign((void **)&staging, ALIGN, b->staging_bytes) != 0) staging = NULL;
+    char *staging = NULL, *own = NULL;
+    if (b->direct) {
+        size_t slot = (size_t)__atomic_fetch_add(&b->next_slot, 1, __ATOMIC_RELAXED);
+        if (b->ext && (slot + 1) * b->staging_bytes <= b->ext_len) staging = b->ext + slot * b->staging_bytes;
+        else if (posix_memalign((void **)&own, ALIGN, b->staging_bytes) == 0) staging = own;
+    }
     for (;;) {
         Py_ssize_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
         if (i >= b->n) break;
         if (b->writes) write_one(b->root, &b->jobs[i], b->file_mode, b->do_chmod, b->do_sync, b->direct, staging);
         else read_one(b->root, &b->jobs[i], b->crc, b->direct, staging);
     }
-    free(staging);
+    free(own);
     return NULL;
+}
+
+/* The staging bytes each thread of a call needs: its largest chunk, rounded up to whole blocks,
+ * plus one block (a direct read of a chunk reads to the end of its last block). */
+static size_t staging_for(size_t most) {
+    return (most + 2 * ALIGN - 1) / ALIGN * ALIGN;
+}
+
+static size_t staging_per_thread(job_t *jobs, Py_ssize_t n) {
+    size_t most = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        size_t t = total_len(jobs[i].pieces, jobs[i].npieces);
+        if (t > most) most = t;
+    }
+    return staging_for(most);
+}
+
+/* How many threads a call of `n` jobs runs on when `threads` are asked for. */
+static int threads_for(int threads, Py_ssize_t n) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > n) threads = (int)n;
+    return threads < 1 ? 1 : threads;
 }
 
 /* Runs the batch on `threads` threads (this one included); called with the GIL released. */
 static void run_threads(batch_t *b, int threads) {
-    for (Py_ssize_t i = 0; i < b->n; i++) {
-        size_t t = total_len(b->jobs[i].pieces, b->jobs[i].npieces);
-        if (t > b->staging_bytes) b->staging_bytes = t;
-    }
-    b->staging_bytes = (b->staging_bytes + 2 * ALIGN - 1) / ALIGN * ALIGN;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > b->n) threads = (int)b->n;
+    b->staging_bytes = staging_per_thread(b->jobs, b->n);
+    threads = threads_for(threads, b->n);
     pthread_t tids[MAX_THREADS];
     int started = 0;
     for (int t = 1; t < threads; t++) {
@@ -384,8 +412,9 @@ static job_t *parse_jobs(PyObject *list, Py_ssize_t *count, int writes) {
 static PyObject *read_chunks(PyObject *self, PyObject *args) {
     int root, direct, threads;
     PyObject *list;
-    unsigned long long crc_addr;
-    if (!PyArg_ParseTuple(args, "iOKpi", &root, &list, &crc_addr, &direct, &threads)) return NULL;
+    unsigned long long crc_addr, ext_addr;
+    Py_ssize_t ext_len;
+    if (!PyArg_ParseTuple(args, "iOKpiKn", &root, &list, &crc_addr, &direct, &threads, &ext_addr, &ext_len)) return NULL;
     if (!crc_addr) {
         PyErr_SetString(PyExc_ValueError, "read_chunks needs crc32c_extend");
         return NULL;
@@ -393,7 +422,8 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
     Py_ssize_t n;
     job_t *jobs = parse_jobs(list, &n, 0);
     if (!jobs) return NULL;
-    batch_t b = {jobs, n, 0, 0, root, direct, 0, 0, 0, (crc_fn_t)(uintptr_t)crc_addr, 0};
+    batch_t b = {jobs, n, 0, 0, root, direct, 0, 0, 0, (crc_fn_t)(uintptr_t)crc_addr, 0,
+                 (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
     Py_BEGIN_ALLOW_THREADS
     run_threads(&b, threads);
     Py_END_ALLOW_THREADS
@@ -413,11 +443,15 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
 static PyObject *write_chunks(PyObject *self, PyObject *args) {
     int root, file_mode, do_chmod, do_sync, direct, threads;
     PyObject *list;
-    if (!PyArg_ParseTuple(args, "iOipppi", &root, &list, &file_mode, &do_chmod, &do_sync, &direct, &threads)) return NULL;
+    unsigned long long ext_addr;
+    Py_ssize_t ext_len;
+    if (!PyArg_ParseTuple(args, "iOipppiKn", &root, &list, &file_mode, &do_chmod, &do_sync, &direct, &threads,
+                          &ext_addr, &ext_len)) return NULL;
     Py_ssize_t n;
     job_t *jobs = parse_jobs(list, &n, 1);
     if (!jobs) return NULL;
-    batch_t b = {jobs, n, 0, 1, root, direct, file_mode, do_chmod, do_sync, NULL, 0};
+    batch_t b = {jobs, n, 0, 1, root, direct, file_mode, do_chmod, do_sync, NULL, 0,
+                 (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
     Py_BEGIN_ALLOW_THREADS
     run_threads(&b, threads);
     Py_END_ALLOW_THREADS
@@ -427,7 +461,28 @@ static PyObject *write_chunks(PyObject *self, PyObject *args) {
     return out;
 }
 
+static PyObject *staging_need(PyObject *self, PyObject *args) {
+    PyObject *list;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Oi", &list, &threads)) return NULL;
+    PyObject *fast = PySequence_Fast(list, "sizes must be a sequence");
+    if (!fast) return NULL;
+    size_t most = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); i++) {
+        size_t t = PyLong_AsSize_t(PySequence_Fast_GET_ITEM(fast, i));
+        if (t == (size_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (t > most) most = t;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_DECREF(fast);
+    return PyLong_FromSize_t(staging_for(most) * (size_t)threads_for(threads, n));
+}
+
 static PyMethodDef methods[] = {
+    {"staging_need", staging_need, METH_VARARGS, "Staging bytes a call of chunks of these sizes needs on this many threads."},
     {"read_chunks", read_chunks, METH_VARARGS, "Read and checksum a batch of chunk files (see the module source)."},
     {"write_chunks", write_chunks, METH_VARARGS, "Write and publish a batch of chunk files (see the module source)."},
     {NULL, NULL, 0, NULL},

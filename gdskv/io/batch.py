@@ -61,27 +61,36 @@ def _note(errs: Sequence[int]) -> None:
         _working = False
 
 
-def read_chunks(root_fd: int, jobs: Sequence[tuple[str, Sequence[Piece]]], direct: bool, threads: int = 1) -> list[ReadResult]:
+def staging_need(jobs: Sequence[tuple], threads: int) -> int:
+    """Bytes of aligned staging memory a call of ``jobs`` (pieces last in each) on ``threads``
+    native threads uses, one part per thread."""
+    return _batchio.staging_need([sum(n for _, n in job[-1]) for job in jobs], threads)
+
+
+def read_chunks(root_fd: int, jobs: Sequence[tuple[str, Sequence[Piece]]], direct: bool, threads: int = 1,
+                staging: Piece = (0, 0)) -> list[ReadResult]:
     """Read each job's chunk (``rel``: its path from the store root) into its pieces and
     checksum the payload, on ``threads`` native threads. ``direct``: chunks not wholly in the
-    page cache are read with O_DIRECT (aligned pieces in place, the rest staged). Called by
-    ``PosixEngine``."""
+    page cache are read with O_DIRECT (aligned pieces in place, the rest staged in ``staging``,
+    ``(address, length)`` of ``staging_need`` aligned bytes, huge-page backed where possible).
+    Called by ``PosixEngine``."""
     out = [ReadResult(err, crc) for err, crc in
-           _batchio.read_chunks(root_fd, [(rel.encode(), pieces) for rel, pieces in jobs], _CRC, direct, threads)]
+           _batchio.read_chunks(root_fd, [(rel.encode(), pieces) for rel, pieces in jobs], _CRC, direct, threads,
+                                *staging)]
     _note([r.err for r in out])
     return out
 
 
 def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piece]]], file_mode: int,
-                 chmod: bool, sync: bool, direct: bool, threads: int = 1) -> list[int]:
+                 chmod: bool, sync: bool, direct: bool, threads: int = 1, staging: Piece = (0, 0)) -> list[int]:
     """Write each job's pieces into ``dir/tmp`` (created exclusively with ``file_mode``;
     ``chmod``: set the mode again where the umask may have stripped it), ``fsync`` it when
     ``sync``, and rename it to ``dir/name``, on ``threads`` native threads; an errno per job (0:
     published). ``direct``: the chunk's whole 4 KiB blocks with O_DIRECT (staged when the pieces
-    are not aligned), the rest after them through the page cache. A failed job leaves no file
-    behind. Called by ``PosixEngine``."""
+    are not aligned, in ``staging`` as for ``read_chunks``), the rest after them through the page
+    cache. A failed job leaves no file behind. Called by ``PosixEngine``."""
     errs = _batchio.write_chunks(root_fd, [(d.encode(), t.encode(), n.encode(), p) for d, t, n, p in jobs],
-                                 file_mode, chmod, sync, direct, threads)
+                                 file_mode, chmod, sync, direct, threads, *staging)
     _note(errs)
     return errs
 

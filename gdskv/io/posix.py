@@ -92,12 +92,21 @@ class PosixEngine(IoEngine):
 
     def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, Sequence[batchio.Piece]]],
                         threads: int = 1) -> list[batchio.ReadResult]:
-        return batchio.read_chunks(root_fd, jobs, self.direct_reads, threads)
+        staging = self._batch_staging(jobs, threads) if self.direct_reads else (0, 0)
+        return batchio.read_chunks(root_fd, jobs, self.direct_reads, threads, staging)
 
     def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[batchio.Piece]]],
                          threads: int = 1) -> list[int]:
+        staging = self._batch_staging(jobs, threads) if self.o_direct else (0, 0)
         return batchio.write_chunks(root_fd, jobs, self.file_mode, umask_may_strip(self.file_mode), self.fsync,
-                                    self.o_direct, threads)
+                                    self.o_direct, threads, staging)
+
+    def _batch_staging(self, jobs: Sequence[tuple], threads: int) -> batchio.Piece:
+        """This thread's staging buffer (``_staging``: huge pages, or pinned under CUDA), grown to
+        what a native call of ``jobs`` on ``threads`` threads stages in; kept across calls, so no
+        call faults in fresh memory and no O_DIRECT request is cut at 4 KiB pages."""
+        need = batchio.staging_need(jobs, threads)
+        return self._staging(need).data_ptr(), need
 
     def read_now(self, path: str, segments: Sequence[Segment]) -> int:
         fd = open_data_file(path, write=False)
