@@ -135,7 +135,8 @@ def test_dry_run_on_host_memory_never_passes(tmp_path: Path, monkeypatch: pytest
         KvikioEngine(threads=4, task_size=1 << 20).close()  # the settings test_io_engines expects
     out = capsys.readouterr().out
     assert code == gc.EXIT_DRY_RUN, out
-    for row in ("kvikio round trips", "concurrent saves", "device checksum", "TensorRT-LLM worker"):
+    for row in ("kvikio round trips", "concurrent saves", "device checksum", "TensorRT-LLM worker", "MAX connector",
+                "host tier"):
         assert any(line.startswith(row) and f" {gc.PASS} " in line for line in out.splitlines()), (row, out)
     assert "GDSKV_STORE" not in __import__("os").environ
     assert list(tmp_path.iterdir()) == []
