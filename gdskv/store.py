@@ -41,6 +41,7 @@ from zarr.storage import MemoryStore
 
 from gdskv import format as fmt
 from gdskv.confined import ConfinedDir
+from gdskv.io import batch as batchio
 from gdskv.keys import store_key
 
 log = logging.getLogger(__name__)
@@ -228,11 +229,23 @@ class Namespace:
     def chunk_nbytes(self, group: int) -> int:
         return self.spec.group(group).bytes_per_page + fmt.TRAILER_BYTES
 
+    def chunk_relpath(self, group: int, key: bytes) -> str:
+        """The chunk's path relative to the store root (``chunk_location`` joined)."""
+        rel_dir, name = self.chunk_location(group, key)
+        return f"{rel_dir}/{name}"
+
     def contains_many(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Presence of each key's chunk: a regular file (never a link) of the size a complete
-        chunk has. One ``lstat`` per key: cost is flat in the store's size. Payload checks
-        happen at load."""
+        chunk has. One ``stat`` per key: cost is flat in the store's size. Payload checks
+        happen at load. Where the native batch path works, the whole lookup is one call
+        without the GIL, every path resolved beneath the root without following a link."""
         want = self.chunk_nbytes(group)
+        if batchio.available():
+            got = batchio.stat_chunks(self.store.fs.fd, [self.chunk_relpath(group, k) for k in keys], want)
+            if got is not None:
+                if self._unusable:
+                    got = [ok and not self._remembered_unusable(self.chunk_path(group, k)) for ok, k in zip(got, keys)]
+                return got
         out = []
         for key in keys:
             path = self.chunk_path(group, key)
@@ -247,6 +260,18 @@ class Namespace:
             out.append(ok)
         return out
 
+    def _remembered_unusable(self, path: str) -> bool:
+        """Whether ``path`` is a chunk that failed verification and could not be quarantined,
+        unchanged since (see ``quarantine``)."""
+        seen = self._unusable.get(path)
+        if seen is None:
+            return False
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return seen == (st.st_ino, st.st_mtime_ns)
+
     def contains(self, group: int, key: bytes) -> bool:
         return self.contains_many(group, [key])[0]
 
@@ -260,6 +285,19 @@ class Namespace:
         forward, so a lease is only ever set here)."""
         now = time.time_ns()
         lease = int(lease_seconds * 1e9)
+        fs = self.store.fs
+        out = (batchio.lease_chunks(fs.fd, [self.chunk_relpath(group, k) for k in keys], now + lease, now, bool(lease))
+               if batchio.available() else None)
+        if out is None:
+            out = self._lease_each(group, keys, now, lease)
+        touched = getattr(self.store.budget, "on_touched", None)
+        if touched is not None and any(out):
+            hit = [i for i, ok in enumerate(out) if ok]
+            touched(self, group, [keys[i] for i in hit], [now + i for i in hit], now + lease)
+        return out
+
+    def _lease_each(self, group: int, keys: Sequence[bytes], now: int, lease: int) -> list[bool]:
+        """``lease_many``'s times set key by key through the confined store (no native path)."""
         out = []
         fs = self.store.fs
         for i, key in enumerate(keys):
@@ -271,10 +309,6 @@ class Namespace:
                 out.append(not lease or fs.lstat(path).st_atime_ns >= now + lease)
             except OSError:
                 out.append(False)
-        touched = getattr(self.store.budget, "on_touched", None)
-        if touched is not None and any(out):
-            hit = [i for i, ok in enumerate(out) if ok]
-            touched(self, group, [keys[i] for i in hit], [now + i for i in hit], now + lease)
         return out
 
     def touch_many(self, group: int, keys: Sequence[bytes], lease_seconds: float = 0.0) -> int:

@@ -426,8 +426,7 @@ class PageTransfer:
             if pieces is None:
                 out[i] = self._load(group, key, segments)
                 continue
-            rel_dir, name = ns.chunk_location(group, key)
-            work.append((f"{rel_dir}/{name}", pieces))
+            work.append((ns.chunk_relpath(group, key), pieces))
             trailers.append(trailer)
             native.append(i)
             if budget is not None:

@@ -364,3 +364,51 @@ def test_every_file_and_directory_gets_the_configured_mode_whatever_the_umask(tm
         os.umask(old)
     files, dirs = _modes(tmp_path / "store")
     assert files == {file_mode} and dirs == {dir_mode}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "per-key"])
+def test_presence_and_leases_see_only_regular_chunks_of_full_size_on_both_paths(saved, canary, monkeypatch, native):
+    """A lookup's presence checks and leases (one native call, or key by key in Python) agree:
+    a link, a truncated file or a FIFO at a chunk path is absent, a missing chunk cannot be
+    leased, a lease sets the atime ahead, and nothing outside the store is touched."""
+    import time
+
+    from gdskv.io import batch as batchio
+
+    if native and not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    if not native:
+        monkeypatch.setattr(batchio, "_working", False)
+    store, ns, xfer = saved
+    os.unlink(chunk(ns, 1))
+    os.symlink(canary.root / "123", chunk(ns, 1))
+    with open(chunk(ns, 2), "r+b") as f:
+        f.truncate(PAGE // 2)
+    os.unlink(chunk(ns, 3))
+    os.mkfifo(chunk(ns, 3))
+    missing = chain_keys(list(range(64)), 16, "elsewhere")[0]
+    assert ns.contains_many(0, [KEYS[0], KEYS[1], KEYS[2], KEYS[3], missing]) == [True, False, False, False, False]
+    before = time.time_ns()
+    assert ns.lease_many(0, [KEYS[0], missing], 30) == [True, False]
+    st = os.lstat(chunk(ns, 0))
+    assert st.st_atime_ns >= before + 30 * 10**9 and before <= st.st_mtime_ns < before + 10**9
+    canary.assert_untouched()
+
+
+def test_native_presence_never_follows_a_linked_chunk_directory(saved, canary):
+    """The chunk's directory replaced by a link to a copy outside the store: the native presence
+    check resolves beneath the root without links, so the chunk is absent (and untouched)."""
+    from gdskv.io import batch as batchio
+
+    if not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    store, ns, xfer = saved
+    directory = chunk(ns, 0).parent
+    outside = canary.root / "copied-dir"
+    shutil.copytree(directory, outside)
+    canary.before = canary.snapshot()
+    shutil.rmtree(directory)
+    os.symlink(outside, directory)
+    assert ns.contains_many(0, [KEYS[0]]) == [False]
+    assert ns.lease_many(0, [KEYS[0]], 30) == [False]
+    canary.assert_untouched()

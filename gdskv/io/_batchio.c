@@ -27,6 +27,9 @@
  *   preallocated first so both land in one extent.
  * threads: jobs of one call run on that many threads of its own (at most 64), each with its own
  *   staging buffer, so one call keeps several requests in flight without Python.
+ * stat_chunks(root_fd, rels, size) / lease_chunks(root_fd, rels, atime_ns, mtime_ns, check):
+ *   a lookup's presence checks and leases (gdskv.store.Namespace.contains_many / lease_many),
+ *   one call per lookup, each path resolved beneath the root without following a link.
  * staging, staging_len (the last two arguments of both): the caller's aligned memory for those
  *   buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an O_DIRECT request
  *   into 4 KiB pages is cut at the queue's segment limit (254 pages on the disks measured), one
@@ -45,6 +48,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define ALIGN 4096
@@ -461,6 +465,133 @@ static PyObject *write_chunks(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* Parses a sequence of relative paths (bytes) into NUL-terminated copies; NULL on error. */
+static char **parse_paths(PyObject *list, Py_ssize_t *count) {
+    PyObject *fast = PySequence_Fast(list, "paths must be a sequence");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    char **paths = calloc(n ? n : 1, sizeof(char *));
+    if (!paths) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!(paths[i] = copy_bytes(PySequence_Fast_GET_ITEM(fast, i)))) {
+            for (Py_ssize_t k = 0; k < i; k++) free(paths[k]);
+            free(paths);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    *count = n;
+    return paths;
+}
+
+/* The directory of `rel` opened beneath `root` (no links), and its last component in `*name`. */
+static int open_parent(int root, char *rel, const char **name) {
+    char *slash = strrchr(rel, '/');
+    if (!slash) {
+        *name = rel;
+        return open_beneath(root, ".", O_PATH | O_DIRECTORY, 0);
+    }
+    *slash = 0;
+    int dfd = open_beneath(root, rel, O_PATH | O_DIRECTORY, 0);
+    *slash = '/';
+    *name = slash + 1;
+    return dfd;
+}
+
+/* 1 yes, 0 no, -1 where openat2 itself is refused (old kernel, seccomp): the caller's own path
+ * must answer then. */
+static PyObject *answers(const signed char *ok, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) PyList_SET_ITEM(out, i, PyLong_FromLong(ok[i]));
+    return out;
+}
+
+#define REFUSED_OPENAT2 (errno == ENOSYS || errno == EPERM)
+
+/* stat_chunks(root_fd, rels, size) -> [1/0/-1] (see `answers`): each is a regular file (not a link) of `size`
+ * bytes, resolved beneath the root without following a link. */
+static PyObject *stat_chunks(PyObject *self, PyObject *args) {
+    int root;
+    PyObject *list;
+    long long size;
+    if (!PyArg_ParseTuple(args, "iOL", &root, &list, &size)) return NULL;
+    Py_ssize_t n;
+    char **paths = parse_paths(list, &n);
+    if (!paths) return NULL;
+    signed char *ok = calloc(n ? n : 1, 1);
+    if (!ok) {
+        for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
+        free(paths);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *name;
+        int dfd = open_parent(root, paths[i], &name);
+        if (dfd < 0) {
+            ok[i] = REFUSED_OPENAT2 ? -1 : 0;
+            continue;
+        }
+        struct stat st;
+        ok[i] = fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) && st.st_size == size;
+        close(dfd);
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *out = answers(ok, n);
+    for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
+    free(paths);
+    free(ok);
+    return out;
+}
+
+/* lease_chunks(root_fd, rels, atime_ns, mtime_ns, check) -> [1/0/-1]: sets entry i's own times to
+ * (atime_ns + i, mtime_ns + i) without following a link; 1 where that landed and, with
+ * `check`, the entry still has an atime at or past `atime_ns` afterwards (an evictor renaming it
+ * aside in between takes the name away: then it is not ours). */
+static PyObject *lease_chunks(PyObject *self, PyObject *args) {
+    int root, check;
+    PyObject *list;
+    long long atime, mtime;
+    if (!PyArg_ParseTuple(args, "iOLLp", &root, &list, &atime, &mtime, &check)) return NULL;
+    Py_ssize_t n;
+    char **paths = parse_paths(list, &n);
+    if (!paths) return NULL;
+    signed char *ok = calloc(n ? n : 1, 1);
+    if (!ok) {
+        for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
+        free(paths);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *name;
+        int dfd = open_parent(root, paths[i], &name);
+        if (dfd < 0) {
+            ok[i] = REFUSED_OPENAT2 ? -1 : 0;
+            continue;
+        }
+        long long a = atime + i, m = mtime + i;
+        struct timespec ts[2] = {{a / 1000000000LL, a % 1000000000LL}, {m / 1000000000LL, m % 1000000000LL}};
+        if (utimensat(dfd, name, ts, AT_SYMLINK_NOFOLLOW) == 0) {
+            struct stat st;
+            ok[i] = !check || (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                               (long long)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec >= atime);
+        }
+        close(dfd);
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *out = answers(ok, n);
+    for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
+    free(paths);
+    free(ok);
+    return out;
+}
+
 static PyObject *staging_need(PyObject *self, PyObject *args) {
     PyObject *list;
     int threads;
@@ -482,6 +613,8 @@ static PyObject *staging_need(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"stat_chunks", stat_chunks, METH_VARARGS, "Whether each path beneath the root is a regular file of the size."},
+    {"lease_chunks", lease_chunks, METH_VARARGS, "Set times of each path beneath the root (see the module source)."},
     {"staging_need", staging_need, METH_VARARGS, "Staging bytes a call of chunks of these sizes needs on this many threads."},
     {"read_chunks", read_chunks, METH_VARARGS, "Read and checksum a batch of chunk files (see the module source)."},
     {"write_chunks", write_chunks, METH_VARARGS, "Write and publish a batch of chunk files (see the module source)."},

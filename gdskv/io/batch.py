@@ -95,6 +95,24 @@ def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piec
     return errs
 
 
+def stat_chunks(root_fd: int, rels: Sequence[str], size: int) -> Optional[list[bool]]:
+    """Whether each path (relative to the store root) is a regular file of ``size`` bytes,
+    resolved beneath the root without following a link, in one call without the GIL; None where
+    the kernel refuses ``openat2`` (the caller's Python path answers). Called by
+    ``Namespace.contains_many``."""
+    got = _batchio.stat_chunks(root_fd, [r.encode() for r in rels], size)
+    return None if -1 in got else [g == 1 for g in got]
+
+
+def lease_chunks(root_fd: int, rels: Sequence[str], atime_ns: int, mtime_ns: int, check: bool) -> Optional[list[bool]]:
+    """Set path ``i``'s own times to ``(atime_ns + i, mtime_ns + i)`` (never a link's target);
+    per path whether that landed and, with ``check``, whether its atime is still at or past
+    ``atime_ns`` afterwards; None where the kernel refuses ``openat2``. Called by
+    ``Namespace.lease_many``."""
+    got = _batchio.lease_chunks(root_fd, [r.encode() for r in rels], atime_ns, mtime_ns, check)
+    return None if -1 in got else [g == 1 for g in got]
+
+
 def host_pages(tensors: Sequence) -> bool:
     """Whether the batch path can take a page's tensors: contiguous CPU tensors, not too many
     (the per-page path handles the rest)."""
