@@ -513,40 +513,66 @@ static PyObject *answers(const signed char *ok, Py_ssize_t n) {
 
 #define REFUSED_OPENAT2 (errno == ENOSYS || errno == EPERM)
 
-/* stat_chunks(root_fd, rels, size) -> [1/0/-1] (see `answers`): each is a regular file (not a link) of `size`
- * bytes, resolved beneath the root without following a link. */
+/* Runs `fn` on each path's directory (opened beneath `root`, no links) and last component,
+ * with the GIL released; the answers as `answers` gives them. */
+typedef signed char (*path_fn)(int dfd, const char *name, Py_ssize_t i, const void *ctx);
+
+static PyObject *each_path(int root, PyObject *list, path_fn fn, const void *ctx) {
+    Py_ssize_t n;
+    char **paths = parse_paths(list, &n);
+    if (!paths) return NULL;
+    signed char *ok = calloc(n ? n : 1, 1);
+    PyObject *out = NULL;
+    if (!ok) {
+        PyErr_NoMemory();
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const char *name;
+            int dfd = open_parent(root, paths[i], &name);
+            if (dfd < 0) {
+                ok[i] = REFUSED_OPENAT2 ? -1 : 0;
+                continue;
+            }
+            ok[i] = fn(dfd, name, i, ctx);
+            close(dfd);
+        }
+        Py_END_ALLOW_THREADS
+        out = answers(ok, n);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
+    free(paths);
+    free(ok);
+    return out;
+}
+
+static signed char is_chunk(int dfd, const char *name, Py_ssize_t i, const void *ctx) {
+    (void)i;
+    struct stat st;
+    return fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+           st.st_size == *(const long long *)ctx;
+}
+
+/* stat_chunks(root_fd, rels, size) -> [1/0/-1] (see `answers`): each is a regular file (not a
+ * link) of `size` bytes, resolved beneath the root without following a link. */
 static PyObject *stat_chunks(PyObject *self, PyObject *args) {
     int root;
     PyObject *list;
     long long size;
     if (!PyArg_ParseTuple(args, "iOL", &root, &list, &size)) return NULL;
-    Py_ssize_t n;
-    char **paths = parse_paths(list, &n);
-    if (!paths) return NULL;
-    signed char *ok = calloc(n ? n : 1, 1);
-    if (!ok) {
-        for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
-        free(paths);
-        return PyErr_NoMemory();
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const char *name;
-        int dfd = open_parent(root, paths[i], &name);
-        if (dfd < 0) {
-            ok[i] = REFUSED_OPENAT2 ? -1 : 0;
-            continue;
-        }
-        struct stat st;
-        ok[i] = fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) && st.st_size == size;
-        close(dfd);
-    }
-    Py_END_ALLOW_THREADS
-    PyObject *out = answers(ok, n);
-    for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
-    free(paths);
-    free(ok);
-    return out;
+    return each_path(root, list, is_chunk, &size);
+}
+
+typedef struct { long long atime, mtime; int check; } lease_t;
+
+static signed char lease_one(int dfd, const char *name, Py_ssize_t i, const void *ctx) {
+    const lease_t *l = ctx;
+    long long a = l->atime + i, m = l->mtime + i;
+    struct timespec ts[2] = {{a / 1000000000LL, a % 1000000000LL}, {m / 1000000000LL, m % 1000000000LL}};
+    if (utimensat(dfd, name, ts, AT_SYMLINK_NOFOLLOW) != 0) return 0;
+    struct stat st;
+    return !l->check || (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                         (long long)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec >= l->atime);
 }
 
 /* lease_chunks(root_fd, rels, atime_ns, mtime_ns, check) -> [1/0/-1]: sets entry i's own times to
@@ -554,42 +580,11 @@ static PyObject *stat_chunks(PyObject *self, PyObject *args) {
  * `check`, the entry still has an atime at or past `atime_ns` afterwards (an evictor renaming it
  * aside in between takes the name away: then it is not ours). */
 static PyObject *lease_chunks(PyObject *self, PyObject *args) {
-    int root, check;
+    int root;
     PyObject *list;
-    long long atime, mtime;
-    if (!PyArg_ParseTuple(args, "iOLLp", &root, &list, &atime, &mtime, &check)) return NULL;
-    Py_ssize_t n;
-    char **paths = parse_paths(list, &n);
-    if (!paths) return NULL;
-    signed char *ok = calloc(n ? n : 1, 1);
-    if (!ok) {
-        for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
-        free(paths);
-        return PyErr_NoMemory();
-    }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const char *name;
-        int dfd = open_parent(root, paths[i], &name);
-        if (dfd < 0) {
-            ok[i] = REFUSED_OPENAT2 ? -1 : 0;
-            continue;
-        }
-        long long a = atime + i, m = mtime + i;
-        struct timespec ts[2] = {{a / 1000000000LL, a % 1000000000LL}, {m / 1000000000LL, m % 1000000000LL}};
-        if (utimensat(dfd, name, ts, AT_SYMLINK_NOFOLLOW) == 0) {
-            struct stat st;
-            ok[i] = !check || (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-                               (long long)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec >= atime);
-        }
-        close(dfd);
-    }
-    Py_END_ALLOW_THREADS
-    PyObject *out = answers(ok, n);
-    for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
-    free(paths);
-    free(ok);
-    return out;
+    lease_t l;
+    if (!PyArg_ParseTuple(args, "iOLLp", &root, &list, &l.atime, &l.mtime, &l.check)) return NULL;
+    return each_path(root, list, lease_one, &l);
 }
 
 static PyObject *staging_need(PyObject *self, PyObject *args) {
