@@ -41,7 +41,7 @@ def block_key(parent: Optional[bytes], tokens: Sequence[int], cache_salt: Option
     h = hashlib.sha256(BLOCK_KEY_DOMAIN)
     h.update(parent if parent is not None else ROOT_PARENT)
     h.update(struct.pack("<I", len(tokens)))
-    h.update(b"".join(struct.pack("<q", int(t)) for t in tokens))
+    h.update(struct.pack(f"<{len(tokens)}q", *map(int, tokens)))
     h.update(_encode_salt(cache_salt))
     return h.digest()
 

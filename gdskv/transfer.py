@@ -85,6 +85,8 @@ class PageTransfer:
         self.engine = engine
         self.depth = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-xfer")
+        for _ in range(threads):  # started now, not by the first batch on the serving thread
+            self._pool.submit(int)
         self._flush_every = stats_flush_seconds
         self._last_flush = time.monotonic()
         self._warned: dict[str, float] = {}
