@@ -308,7 +308,7 @@ class PageTransfer:
         return self._batch(self._load, self._load_slice, group, [(key, list(segs)) for key, segs in items], ready,
                            on_posted)
 
-    def _batch(self, fn: Callable[..., Any], slice_fn: Callable[[int, list[tuple]], list[Any]], group: int,
+    def _batch(self, fn: Callable[..., Any], slice_fn: Callable[[int, list[tuple], int], list[Any]], group: int,
                jobs: list[tuple], ready: Optional[Any], on_posted: Optional[Callable[[list[Future]], None]] = None
                ) -> list[Future]:
         """Run the jobs with ``depth`` pages in flight. Each pool thread waits on ``ready`` once,
@@ -328,8 +328,8 @@ class PageTransfer:
         native = self._batchable()
         if native:
             threads = min(NATIVE_CALLERS, len(jobs))
-            inner = max(1, self.depth // threads)
-            size = max(1, min(SLICE_PAGES, -(-len(jobs) // (threads * 2))))
+            inner = max(1, self.depth // max(1, threads))
+            size = max(1, min(SLICE_PAGES, -(-len(jobs) // (max(1, threads) * 2))))
         else:
             threads, inner, size = min(self.depth, len(jobs)), 1, 1
         slices = iter(range(0, len(jobs), size))  # next() on a range iterator is atomic under the GIL

@@ -175,3 +175,9 @@ def test_direct_saves_of_an_unaligned_pool_write_whole_blocks_past_the_page_cach
     assert [f.result() for f in x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(3)])] == [LoadStatus.LOADED] * 3
     assert torch.equal(src, dst)
     x.close()
+
+
+def test_an_empty_batch_is_no_futures(store_path):
+    x = make(store_path)
+    assert x.load_pages(0, []) == [] and x.save_pages(0, []) == []
+    x.close()
