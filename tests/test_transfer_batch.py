@@ -16,7 +16,7 @@ from gdskv.io import batch as batchio
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
-from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
+from gdskv.transfer import NATIVE_CALLERS, LoadStatus, PageTransfer, SaveStatus
 
 KEYS = chain_keys(list(range(16 * 24)), 16, "batch")
 PAGE = 8192 + 100
@@ -145,6 +145,8 @@ def test_many_pages_round_trip_with_several_pages_in_flight_per_call(store_path)
     loaded = x.load_pages(0, [(keys[i], [dst[i]]) for i in range(n)])
     assert [f.result() for f in loaded] == [LoadStatus.LOADED] * n
     assert torch.equal(src, dst)
+    # staging buffers are shared by calls, not kept per thread: no more than ran at once
+    assert x.engine._batch_buffers.qsize() <= NATIVE_CALLERS
     x.close()
 
 

@@ -24,16 +24,18 @@ the staging buffer of a CPU-only process is one.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import logging
 import mmap
 import os
+import queue
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -62,6 +64,7 @@ class PosixEngine(IoEngine):
         self.fsync = fsync
         self.file_mode = file_mode
         self._bounce = threading.local()
+        self._batch_buffers: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         """This thread's page-aligned host buffer, grown to ``nbytes``: pinned where CUDA is
@@ -73,10 +76,7 @@ class PosixEngine(IoEngine):
         direct read path slices the view, cheaper than tensor slicing on every page)."""
         pair = getattr(self._bounce, "pair", None)
         if pair is None or pair[0].numel() < nbytes:
-            if torch.cuda.is_available():
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            else:
-                buf = torch.frombuffer(aligned_host_buffer(nbytes), dtype=torch.uint8)
+            buf = _staging_buffer(nbytes)
             pair = self._bounce.pair = (buf, memoryview(buf.numpy()))
         return pair
 
@@ -92,21 +92,37 @@ class PosixEngine(IoEngine):
 
     def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, Sequence[batchio.Piece]]],
                         threads: int = 1) -> list[batchio.ReadResult]:
-        staging = self._batch_staging(jobs, threads) if self.direct_reads else (0, 0)
-        return batchio.read_chunks(root_fd, jobs, self.direct_reads, threads, staging)
+        if not self.direct_reads:
+            return batchio.read_chunks(root_fd, jobs, False, threads)
+        with self._batch_staging(jobs, threads) as staging:
+            return batchio.read_chunks(root_fd, jobs, True, threads, staging)
 
     def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[batchio.Piece]]],
                          threads: int = 1) -> list[int]:
-        staging = self._batch_staging(jobs, threads) if self.o_direct else (0, 0)
-        return batchio.write_chunks(root_fd, jobs, self.file_mode, umask_may_strip(self.file_mode), self.fsync,
-                                    self.o_direct, threads, staging)
+        mode, chmod = self.file_mode, umask_may_strip(self.file_mode)
+        if not self.o_direct:
+            return batchio.write_chunks(root_fd, jobs, mode, chmod, self.fsync, False, threads)
+        with self._batch_staging(jobs, threads) as staging:
+            return batchio.write_chunks(root_fd, jobs, mode, chmod, self.fsync, True, threads, staging)
 
-    def _batch_staging(self, jobs: Sequence[tuple], threads: int) -> batchio.Piece:
-        """This thread's staging buffer (``_staging``: huge pages, or pinned under CUDA), grown to
-        what a native call of ``jobs`` on ``threads`` threads stages in; kept across calls, so no
-        call faults in fresh memory and no O_DIRECT request is cut at 4 KiB pages."""
+    @contextlib.contextmanager
+    def _batch_staging(self, jobs: Sequence[tuple], threads: int) -> Iterator[batchio.Piece]:
+        """A staging buffer (huge pages, or pinned under CUDA) of what a native call of ``jobs``
+        on ``threads`` threads stages in, for the call: taken from this engine's pool of them and
+        put back after, so buffers are reused across calls (no call faults in fresh memory, no
+        O_DIRECT request is cut at 4 KiB pages) and there are only as many as calls ever ran at
+        once, whichever threads made them."""
         need = batchio.staging_need(jobs, threads)
-        return self._staging(need).data_ptr(), need
+        try:
+            buf = self._batch_buffers.get_nowait()
+        except queue.Empty:
+            buf = None
+        if buf is None or buf.numel() < need:
+            buf = _staging_buffer(need)
+        try:
+            yield buf.data_ptr(), need
+        finally:
+            self._batch_buffers.put(buf)
 
     def read_now(self, path: str, segments: Sequence[Segment]) -> int:
         fd = open_data_file(path, write=False)
@@ -223,6 +239,14 @@ class PosixEngine(IoEngine):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _staging_buffer(nbytes: int) -> torch.Tensor:
+    """Page-aligned host memory for staging: pinned where CUDA is present (device segments are
+    copied through it), huge-page-backed otherwise."""
+    if torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.frombuffer(aligned_host_buffer(nbytes), dtype=torch.uint8)
 
 
 def _on_device(buf: Buffer) -> bool:
