@@ -67,6 +67,26 @@ def umask_may_strip(mode: int) -> bool:
     return bool(mode & (_UMASK | 0o077))
 _openat2_works = True
 
+_UTIME_NOW, _UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2
+_AT_SYMLINK_NOFOLLOW = 0x100
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_MTIME_NOW = (_Timespec * 2)(_Timespec(0, _UTIME_OMIT), _Timespec(0, _UTIME_NOW))
+
+
+def touch_mtime(name: str, dir_fd: int) -> None:
+    """Set the entry's own mtime (never a link's target's) to now and leave its atime alone, so a
+    lease (an atime set ahead by a lookup) outlives the loads of other requests. Called by
+    ``gdskv.transfer`` after each verified load on the per-page path (the native path does the
+    same in C); ``OSError`` on failure."""
+    if _libc.utimensat(dir_fd, os.fsencode(name), _MTIME_NOW, _AT_SYMLINK_NOFOLLOW) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), name)
+
 
 def _split(rel: str) -> list[str]:
     parts = [p for p in rel.split("/") if p and p != "."]

@@ -28,7 +28,7 @@ import torch
 
 from gdskv import checksum
 from gdskv import format as fmt
-from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path
+from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path, touch_mtime
 from gdskv.io import batch as batchio
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
 from gdskv.io.posix import aligned_host_buffer
@@ -484,7 +484,7 @@ class PageTransfer:
                     reason = self._verify(group, key, nbytes, bytes(trailer), segments)
                     if reason is None:
                         try:
-                            os.utime(name, dir_fd=dfd, follow_symlinks=False)
+                            touch_mtime(name, dfd)
                         except OSError:
                             pass
                     return reason

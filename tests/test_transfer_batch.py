@@ -183,3 +183,22 @@ def test_an_empty_batch_is_no_futures(store_path):
     x = make(store_path)
     assert x.load_pages(0, []) == [] and x.save_pages(0, []) == []
     x.close()
+
+
+def test_a_load_refreshes_the_mtime_and_leaves_a_lease_in_the_atime_alone(store_path):
+    """Recency is the mtime, a lookup's lease the atime set ahead: a load of the chunk (for this
+    request or another) moves the first and never shortens the second."""
+    x = make(store_path)
+    src, dst = pool(1, 7), torch.zeros(1, PAGE, dtype=torch.uint8)
+    assert x.save_pages(0, [(KEYS[0], None, [src[0]])])[0].result() is SaveStatus.PUBLISHED
+    path = x.ns.chunk_path(0, KEYS[0])
+    leased_at = time.time_ns()
+    assert x.ns.lease_many(0, [KEYS[0]], 30) == [True]
+    lease = os.stat(path).st_atime_ns
+    assert lease >= leased_at + 30 * 10**9
+    os.utime(path, ns=(lease, leased_at - 10**9))  # last used a second ago
+    assert x.load_pages(0, [(KEYS[0], [dst[0]])])[0].result() is LoadStatus.LOADED
+    st = os.stat(path)
+    assert st.st_atime_ns == lease, "a load cut the lease short"
+    assert st.st_mtime_ns >= leased_at, "a load did not refresh the chunk's recency"
+    x.close()

@@ -15,7 +15,8 @@
  *   jobs: [(relpath: bytes, pieces: [(address, length), ...]), ...]; the pieces lie end to end
  *   in the file from offset 0 and the last one is the chunk's trailer. err 0: every byte read,
  *   crc = CRC32C of all pieces but the last (crc_fn: the address of google-crc32c's
- *   crc32c_extend). On success the file's times are refreshed (eviction ranks by recency).
+ *   crc32c_extend). On success the file's mtime is refreshed (eviction ranks by recency) and its
+ *   atime left alone (a lookup's lease).
  *   direct: read chunks not wholly in the page cache with O_DIRECT, aligned pieces in place and
  *   the rest through an aligned staging buffer.
  * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads) -> list[err]
@@ -176,7 +177,9 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
             uint32_t c = 0;
             for (int i = 0; i < j->npieces - 1; i++) c = crc(c, j->pieces[i].iov_base, j->pieces[i].iov_len);
             j->crc = c;
-            futimens(fd, NULL);
+            /* recency: the mtime; the atime is left alone, it may hold a lookup's lease */
+            struct timespec now[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
+            futimens(fd, now);
         }
     }
     close(fd);
