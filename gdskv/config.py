@@ -210,7 +210,7 @@ class GdsKvConfig:
     engine: str = "auto"
     io_threads: int = 16
     """Pages in flight per transfer (the depth): 16 measured 1.3-1.5x faster cold loads of 256 KiB
-    pages than 8 on the NVMe-backed disk measured, and no slower at 1-4 MiB."""
+    pages than 8 on the development VM's disk, and no slower at 1-4 MiB."""
     o_direct: str = "all"
     fsync: bool = False
     kvikio_threads: int = 4

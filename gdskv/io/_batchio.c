@@ -3,7 +3,8 @@
  * Built by `pip install` as gdskv.io._batchio (an optional extension: where no compiler is
  * present the pure-Python path in gdskv.io.posix does the same work). Called through
  * gdskv.io.batch by gdskv.io.posix.PosixEngine.read_chunks_now / write_chunks_now, which
- * gdskv.transfer's threads call once per slice of a step's pages, so a page costs a few system calls and no Python.
+ * gdskv.transfer's threads call once per slice of a step's pages, so a page costs a few system
+ * calls and no Python.
  *
  * Every path is resolved by the kernel beneath the store's root descriptor without following a
  * link (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS), and only regular

@@ -1,8 +1,9 @@
 """Batched chunk reads and writes in one native call per slice of pages (``_batchio.c``).
 
-``gdskv.io.posix.PosixEngine.read_chunks_now``/``write_chunks_now`` call ``read_chunks``/``write_chunks``
-for ``gdskv.transfer``'s threads with a slice of a step's pages when the batch path applies: host page memory, the POSIX engine,
-google-crc32c's C library and the compiled extension present. The extension resolves every path
+``gdskv.io.posix.PosixEngine.read_chunks_now``/``write_chunks_now`` call ``read_chunks``/
+``write_chunks`` for ``gdskv.transfer``'s threads with a slice of a step's pages when the batch
+path applies: host page memory, the POSIX engine, google-crc32c's C library and the compiled
+extension present; ``gdskv.store`` calls ``stat_chunks``/``lease_chunks`` for a lookup. The extension resolves every path
 beneath the store's root descriptor without following links (as ``gdskv.confined`` does), moves
 the bytes and checksums the payload with the GIL released for the whole slice, so concurrent
 transfer threads and the engine's own Python run while pages move. A job that fails reports its
