@@ -118,17 +118,15 @@ def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
     ``evicted_bytes`` on the chunk's namespace (none for a damaged one). A row whose file was
     used after the ranking (newer mtime than ``table.mtime_ns``) is kept like a leased one.
     Journals what it finds (``gdskv.eviction.journal``: removed and gone chunks, the true mtime
-    of fresh ones) so that the chunk index follows. Called by ``Budget`` and ``gdskv evict``.
+    of fresh ones) so that the chunk index follows, one record as each chunk is done: a process
+    killed mid-eviction leaves the index wrong by at most the chunk it was removing.
+    Called by ``Budget`` and ``gdskv evict``.
     """
     out = Removal()
     keep: set[int] = set()
     counted: dict[str, Optional[Namespace]] = {}
-    seen: list[np.ndarray] = []
     journal = journal_of(store)
-    for n, row in enumerate(int(r) for r in rows):
-        if n % 4096 == 4095:
-            journal.append(np.concatenate(seen))
-            seen = []
+    for row in (int(r) for r in rows):
         if row in keep:
             out.skipped_pinned += 1
             continue
@@ -143,9 +141,9 @@ def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
             else:
                 status, st = _remove_chunk(store, ref.chunk_rel(index), int(table.mtime_ns[row]))
         if status in ("removed", "gone"):
-            seen.append(records(REMOVE, ref.ns_id, ref.group, np.uint64(index), at=at))
+            journal.append(records(REMOVE, ref.ns_id, ref.group, np.uint64(index), at=at))
         elif st is not None:
-            seen.append(records(TOUCH, ref.ns_id, ref.group, np.uint64(index), mtime=st.st_mtime_ns, lease=st.st_atime_ns, at=at))
+            journal.append(records(TOUCH, ref.ns_id, ref.group, np.uint64(index), mtime=st.st_mtime_ns, lease=st.st_atime_ns, at=at))
         if status in ("pinned", "leased", "fresh"):
             if status == "pinned":
                 out.skipped_pinned += 1
@@ -172,8 +170,6 @@ def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
             if ns is not None:
                 ns.counters.add("evicted")
                 ns.counters.add("evicted_bytes", nbytes)
-    if seen:
-        journal.append(np.concatenate(seen))
     return out
 
 
