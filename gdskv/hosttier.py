@@ -14,8 +14,8 @@ process; the tier does not need to hear about it (a lookup that no longer finds 
 simply never asks for it). An entry is served only into segments of exactly its size.
 
 Memory is pinned where CUDA is present (``torch.cuda.is_available()``; page-locked host memory
-makes host/device copies direct and asynchronous), plain host memory elsewhere. Buffers of evicted
-entries are reused for the entries that replace them when nobody still reads them.
+makes host/device copies direct and asynchronous), plain host memory elsewhere, carved from slabs
+(``gdskv.hostmem``): buffers of evicted entries are reused once nobody reads them.
 
 Called by ``gdskv.service.KvService`` (bring-up: ``tier_bytes``; ``load``/``save``: ``borrow``,
 ``put``); ``gather``/``scatter`` are the copies between an entry and a page's segments.
@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
+
+from gdskv.hostmem import SlabPool
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +79,14 @@ class Put:
 
 
 class _Entry:
-    __slots__ = ("buf", "readers")
+    __slots__ = ("buf", "slab", "readers", "gone")
 
-    def __init__(self, buf: torch.Tensor) -> None:
+    def __init__(self, buf: torch.Tensor, slab: Any) -> None:
         self.buf = buf
+        self.slab = slab
         self.readers = 0
+        self.gone = False
+        """Out of the tier while a reader held it: its buffer goes back at the last release."""
 
 
 class HostTier:
@@ -99,8 +104,8 @@ class HostTier:
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._used = 0
-        self._spare: dict[int, list[torch.Tensor]] = {}
-        """Buffers of entries evicted while no reader held them, by size: reused by ``put``."""
+        self._memory = SlabPool(capacity, self.pinned)
+        """Where entries' buffers come from and go back to (at most one slab beyond the budget)."""
         self._lock = threading.Lock()
 
     # -- state ------------------------------------------------------------------------------------
@@ -134,6 +139,17 @@ class HostTier:
     def _release(self, entry: "_Entry") -> None:
         with self._lock:
             entry.readers -= 1
+            last = entry.gone and entry.readers == 0
+        if last:
+            self._memory.give(entry.buf, entry.slab)
+
+    def _drop(self, entry: "_Entry") -> None:
+        """``entry`` left the tier (under the lock): its buffer is reused once nobody reads it."""
+        self._used -= entry.buf.numel()
+        if entry.readers:
+            entry.gone = True
+        else:
+            self._memory.give(entry.buf, entry.slab)
 
     # -- writes -----------------------------------------------------------------------------------
     def put(self, key: Hashable, segments: Sequence[torch.Tensor]) -> Put:
@@ -152,23 +168,27 @@ class HostTier:
                 return Put()
             pages, freed = self._evict_until(self.capacity - nbytes)
             self._used += nbytes  # reserved while the copy runs outside the lock
-            spare = self._spare.get(nbytes)
-            buf = spare.pop() if spare else None
+        got = None
         try:
-            if buf is None:
-                buf = self._allocate(nbytes)
-            gather(segments, buf)
+            got = self._memory.take(nbytes)
+            if got is not None:
+                gather(segments, got[0])
         except BaseException:
             with self._lock:
                 self._used -= nbytes
+            if got is not None:
+                self._memory.give(*got)
             raise
         with self._lock:
-            taken = key not in self._entries  # else another thread took it meanwhile: the same bytes
+            taken = got is not None and key not in self._entries  # else another thread took it meanwhile
             if taken:
-                self._entries[key] = _Entry(buf)
+                self._entries[key] = _Entry(*got)
             else:
                 self._used -= nbytes
-                self._entries.move_to_end(key)
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+        if got is not None and not taken:
+            self._memory.give(*got)
         return Put(taken, pages, freed)
 
     def discard(self, key: Hashable) -> bool:
@@ -176,39 +196,25 @@ class HostTier:
         with self._lock:
             entry = self._entries.pop(key, None)
             if entry is not None:
-                self._used -= entry.buf.numel()
+                self._drop(entry)
             return entry is not None
 
     def clear(self) -> None:
         """Forget every entry and spare buffer (``KvService.close``)."""
         with self._lock:
             self._entries.clear()
-            self._spare.clear()
+            self._memory.clear()
             self._used = 0
 
     def _evict_until(self, limit: int) -> tuple[int, int]:
-        """Drop least recent entries until ``used <= limit``; under the lock. The buffers nobody
-        reads are kept for this put to reuse (until the next eviction)."""
-        self._spare.clear()  # only what this put frees is worth keeping
+        """Drop least recent entries until ``used <= limit``; under the lock."""
         pages = freed = 0
         while self._used > limit and self._entries:
             _, entry = self._entries.popitem(last=False)
-            n = entry.buf.numel()
-            self._used -= n
             pages += 1
-            freed += n
-            if entry.readers == 0:
-                self._spare.setdefault(n, []).append(entry.buf)
+            freed += entry.buf.numel()
+            self._drop(entry)
         return pages, freed
-
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        if self.pinned:
-            try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            except RuntimeError as e:
-                log.warning("gdskv: host tier cannot pin memory (%s); using pageable host memory", e)
-                self.pinned = False
-        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 class Borrowed:

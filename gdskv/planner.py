@@ -224,7 +224,7 @@ class RequestState:
     # -- tokens and keys -------------------------------------------------------------------
     def set_tokens(self, tokens: Sequence[int]) -> None:
         """Replace the token list (a first report restates everything) and rekey if it changed."""
-        tokens = [int(t) for t in tokens]
+        tokens = list(map(int, tokens))
         if tokens[: len(self.tokens)] != self.tokens:
             self.keys = []
         self.tokens = tokens

@@ -224,6 +224,20 @@ class KvService:
     def _stored_dense(self, index: int, keys: Sequence[bytes]) -> list[bool]:
         return self.stored(self.group_ids[index], keys)
 
+    def _stored_leased(self, index: int, keys: Sequence[bytes]) -> list[bool]:
+        """``stored``, leasing what it finds in the same pass (every shard asked about what the
+        shards before it hold): a lookup's presence checks and leases cost one path walk per
+        chunk, not two, and nothing can be evicted between the check and the lease."""
+        group = self.group_ids[index]
+        present = [True] * len(keys)
+        for ns in self.namespaces:
+            todo = [i for i, p in enumerate(present) if p]
+            if not todo:
+                break
+            for i, there in zip(todo, ns.lease_many(group, [keys[i] for i in todo], self.lease_seconds, present=True)):
+                present[i] = there
+        return present
+
     def _lookup_stored(self) -> Callable[[int, Sequence[bytes]], list[bool]]:
         """What a lookup asks (by group index): the local store, and for what misses there the
         remote tier, reading through into the local store, all within one ``remote.timeout``."""
@@ -236,8 +250,9 @@ class KvService:
                window_aware: bool = False) -> Lookup:
         """How many of ``tokens`` beyond the ``num_computed_tokens`` the engine holds the store
         serves (``Lookup.num_new_tokens``; full blocks only, never the last token), with every
-        served chunk of every group and shard leased. Planned again, once, when a lease fails.
-        ``window_aware``: ``plan_lookup_window_aware`` (a sliding group needs, and leases, only
+        served chunk of every group and shard leased: in the same pass as the presence checks
+        (``_stored_leased``), or, with a remote tier or ``window_aware``, after them, planned
+        again, once, when a lease fails. ``window_aware``: ``plan_lookup_window_aware`` (a sliding group needs, and leases, only
         the blocks inside its window before the served length)."""
         stored = self._lookup_stored()
         t0 = time.perf_counter()
@@ -246,6 +261,10 @@ class KvService:
                 found = plan_lookup_window_aware(tokens, cache_salt, self.tokens_per_block, num_computed_tokens,
                                                  self.windows, stored)
                 leased = self.lease_per_group([[found.keys[o] for o in r] for r in lookup_needs(found, self.windows)])
+            elif self.remote is None and self.active:  # asked and leased in one pass
+                found = plan_lookup(tokens, cache_salt, self.tokens_per_block, num_computed_tokens, len(self.group_ids),
+                                    self._stored_leased)
+                leased = True
             else:
                 found = plan_lookup(tokens, cache_salt, self.tokens_per_block, num_computed_tokens, len(self.group_ids),
                                     stored)

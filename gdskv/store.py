@@ -196,6 +196,10 @@ class CapacityBudget(Protocol):
     # optional: ``on_touched(ns, group, keys, mtimes, lease_until_ns)`` after ``Namespace.lease_many``
 
 
+STORE_KEY_CACHE = 1 << 16
+"""How many block identities a ``Namespace`` remembers (about 10 MiB at most)."""
+
+
 class Namespace:
     """One namespace of a store: its arrays, chunk paths, presence and recency."""
 
@@ -207,6 +211,9 @@ class Namespace:
         self.counters = Counters()
         self._array_dirs = {g.layer_group_id: str(self.path / f"g{g.layer_group_id}") for g in spec.groups}
         self._unusable: dict[str, tuple[int, int]] = {}
+        self._store_keys: dict[tuple[int, bytes], tuple[bytes, str, str, str]] = {}
+        """Names of recently named blocks' chunks (``_named``): a lookup, its lease, the load and
+        its check name the same 512 blocks of a 32k-token prefix four times; one hash is enough."""
         """Chunk paths that failed verification but could not be quarantined (read-only store,
         full disk), with the (inode, mtime) they had: lookups skip them until they change."""
 
@@ -214,17 +221,33 @@ class Namespace:
         return self.path / f"g{group}"
 
     def store_key(self, group: int, key: bytes) -> bytes:
-        return store_key(self.id, group, key)
+        """The chunk's 32-byte identity (``gdskv.keys.store_key``)."""
+        return self._named(group, key)[0]
+
+    def _named(self, group: int, key: bytes) -> tuple[bytes, str, str, str]:
+        """``(store key, directory, file name, path in the array directory)`` of a block's
+        chunk, remembered for the last ``STORE_KEY_CACHE`` blocks named (then forgotten all at
+        once: bounded, and never stale, since each is a pure function of the key)."""
+        cached = self._store_keys.get((group, key)) if type(key) is bytes else None
+        if cached is None:
+            skey = store_key(self.id, group, key)
+            hi, lo = fmt.chunk_index(skey)
+            cached = (skey, f"ns/{self.id}/g{group}/c/{hi}/0", str(lo), fmt.index_relpath(hi, lo))
+            if type(key) is bytes:
+                if len(self._store_keys) >= STORE_KEY_CACHE:
+                    self._store_keys.clear()
+                self._store_keys[(group, key)] = cached
+        return cached
 
     def chunk_path(self, group: int, key: bytes) -> str:
         """Called per key on every lookup: plain strings, no pathlib."""
-        return f"{self._array_dirs[group]}/{fmt.chunk_relpath(self.store_key(group, key))}"
+        return f"{self._array_dirs[group]}/{self._named(group, key)[3]}"
 
     def chunk_location(self, group: int, key: bytes) -> tuple[str, str]:
         """``(directory, file name)`` of the chunk, the directory relative to the store root
         (``ns/<id>/g<gid>/c/<hi>/0``): what ``gdskv.transfer`` opens through ``store.fs``."""
-        hi, lo = fmt.chunk_index(self.store_key(group, key))
-        return f"ns/{self.id}/g{group}/c/{hi}/0", str(lo)
+        _, rel_dir, name, _ = self._named(group, key)
+        return rel_dir, name
 
     def chunk_nbytes(self, group: int) -> int:
         return self.spec.group(group).bytes_per_page + fmt.TRAILER_BYTES
@@ -275,28 +298,34 @@ class Namespace:
     def contains(self, group: int, key: bytes) -> bool:
         return self.contains_many(group, [key])[0]
 
-    def lease_many(self, group: int, keys: Sequence[bytes], lease_seconds: float = 0.0) -> list[bool]:
+    def lease_many(self, group: int, keys: Sequence[bytes], lease_seconds: float = 0.0,
+                   present: bool = False) -> list[bool]:
         """Refresh recency of the chunks that exist, in the order given (root first gets the
         oldest of the new stamps), and lease them to a load that is to follow: their atime is set
         ``lease_seconds`` into the future, and eviction (``gdskv.eviction``, in any process)
         leaves a chunk alone while its atime lies ahead. Per key, whether it was set: False when
-        the chunk was not there at that moment (then it must not be promised).
+        the chunk was not there at that moment (then it must not be promised). ``present``:
+        also False unless the chunk is one ``contains_many`` would count (a regular file of the
+        chunk's size, not one remembered unusable), so a lookup asks and leases in one pass.
         Called by connectors' lookups (mtime = recency, atime = lease; reads never move an atime
         forward, so a lease is only ever set here)."""
         now = time.time_ns()
         lease = int(lease_seconds * 1e9)
         fs = self.store.fs
-        out = (batchio.lease_chunks(fs.fd, [self.chunk_relpath(group, k) for k in keys], now + lease, now, bool(lease))
+        want = self.chunk_nbytes(group) if present else 0
+        out = (batchio.lease_chunks(fs.fd, [self.chunk_relpath(group, k) for k in keys], now + lease, now, bool(lease), want)
                if batchio.available() else None)
         if out is None:
-            out = self._lease_each(group, keys, now, lease)
+            out = self._lease_each(group, keys, now, lease, want)
+        if present and self._unusable:
+            out = [ok and not self._remembered_unusable(self.chunk_path(group, k)) for ok, k in zip(out, keys)]
         touched = getattr(self.store.budget, "on_touched", None)
         if touched is not None and any(out):
             hit = [i for i, ok in enumerate(out) if ok]
             touched(self, group, [keys[i] for i in hit], [now + i for i in hit], now + lease)
         return out
 
-    def _lease_each(self, group: int, keys: Sequence[bytes], now: int, lease: int) -> list[bool]:
+    def _lease_each(self, group: int, keys: Sequence[bytes], now: int, lease: int, want: int = 0) -> list[bool]:
         """``lease_many``'s times set key by key through the confined store (no native path)."""
         out = []
         fs = self.store.fs
@@ -304,9 +333,14 @@ class Namespace:
             path = self.chunk_path(group, key)
             try:
                 fs.utime(path, ns=(now + lease + i, now + i))
+                if not lease and not want:
+                    out.append(True)
+                    continue
                 # an evictor may have renamed the chunk aside between the name's lookup and the
                 # times landing; it is ours only if it is still there under its name with them
-                out.append(not lease or fs.lstat(path).st_atime_ns >= now + lease)
+                st = fs.lstat(path)
+                out.append((not lease or st.st_atime_ns >= now + lease)
+                           and (not want or (stat.S_ISREG(st.st_mode) and st.st_size == want)))
             except OSError:
                 out.append(False)
         return out

@@ -388,6 +388,8 @@ def test_presence_and_leases_see_only_regular_chunks_of_full_size_on_both_paths(
     os.mkfifo(chunk(ns, 3))
     missing = chain_keys(list(range(64)), 16, "elsewhere")[0]
     assert ns.contains_many(0, [KEYS[0], KEYS[1], KEYS[2], KEYS[3], missing]) == [True, False, False, False, False]
+    # a lookup's check and lease in one pass sees the same
+    assert ns.lease_many(0, [KEYS[0], KEYS[1], KEYS[2], KEYS[3], missing], 30, present=True) == [True, False, False, False, False]
     before = time.time_ns()
     assert ns.lease_many(0, [KEYS[0], missing], 30) == [True, False]
     st = os.lstat(chunk(ns, 0))

@@ -96,6 +96,7 @@ def test_lookup_leases_what_it_serves(cfg):
 
 
 def test_a_failed_lease_plans_again(cfg, monkeypatch):
+    # the window-aware lookup checks, then leases: an eviction in between plans again
     svc = KvService(cfg, spec())
     keys = svc.keys(TOKENS)
     save_blocks(svc, keys)
@@ -103,16 +104,36 @@ def test_a_failed_lease_plans_again(cfg, monkeypatch):
     real = ns.lease_many
     calls = []
 
-    def evicting_lease(group, ks, lease_seconds=0.0):
+    def evicting_lease(group, ks, lease_seconds=0.0, present=False):
         if not calls:  # an evictor removes block 3 of group 1 between the presence check and the lease
             os.unlink(ns.chunk_path(1, keys[3]))
         calls.append(group)
-        return real(group, ks, lease_seconds)
+        return real(group, ks, lease_seconds, present)
 
     monkeypatch.setattr(ns, "lease_many", evicting_lease)
-    found = svc.lookup(TOKENS, None)
+    found = svc.lookup(TOKENS, None, window_aware=True)
     assert found.end_block == 3
     assert svc.snapshot()["lease_replans"] == 1
+    svc.close()
+
+
+def test_a_lookup_checks_and_leases_in_one_pass(cfg, monkeypatch):
+    svc = KvService(cfg, spec())
+    keys = svc.keys(TOKENS)
+    save_blocks(svc, keys)
+    ns = svc.namespace
+    os.unlink(ns.chunk_path(1, keys[3]))
+    asked = []
+    monkeypatch.setattr(ns, "contains_many", lambda *a: asked.append(a) or [False])
+    before = time.time_ns()
+    found = svc.lookup(TOKENS, None)
+    assert found.end_block == 3 and not asked and svc.snapshot()["lease_replans"] == 0
+    for group in (0, 1):
+        for key in keys[:3]:
+            assert os.stat(ns.chunk_path(group, key)).st_atime_ns >= before + int(svc.lease_seconds * 1e9) - 10**9
+    wrong = ns.chunk_path(0, keys[1])
+    os.truncate(wrong, 10)  # a file of the wrong size is no chunk: not served, whatever its times
+    assert svc.lookup(TOKENS, None).end_block == 1
     svc.close()
 
 

@@ -39,6 +39,7 @@ of a failed load.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import pickle
 import time
@@ -359,10 +360,15 @@ class ReferenceEngine:
         threads = torch.get_num_threads()
         if self.engine_cfg.intra_op_threads is not None:
             torch.set_num_threads(self.engine_cfg.intra_op_threads)
+        if self.engine_cfg.freeze_heap:
+            gc.collect()
+            gc.freeze()
         try:
             self._run_until_drained()
         finally:
             torch.set_num_threads(threads)
+            if self.engine_cfg.freeze_heap:
+                gc.unfreeze()
         return [
             GenerationResult(r.request_id, r.prompt, r.generated, r.logits, r.num_loaded, r.ttft_s, r.kv_pages)
             for r in requests

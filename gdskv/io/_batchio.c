@@ -29,9 +29,10 @@
  *   preallocated first so both land in one extent.
  * threads: jobs of one call run on that many threads of its own (at most 64), each with its own
  *   staging buffer, so one call keeps several requests in flight without Python.
- * stat_chunks(root_fd, rels, size) / lease_chunks(root_fd, rels, atime_ns, mtime_ns, check):
+ * stat_chunks(root_fd, rels, size) / lease_chunks(root_fd, rels, atime_ns, mtime_ns, check, size):
  *   a lookup's presence checks and leases (gdskv.store.Namespace.contains_many / lease_many),
- *   one call per lookup, each path resolved beneath the root without following a link.
+ *   one call per lookup, each path resolved beneath the root without following a link; a long
+ *   lookup runs on up to PATH_THREADS threads (one per PATHS_PER_THREAD paths).
  * staging, staging_len (the last two arguments of both): the caller's aligned memory for those
  *   buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an O_DIRECT request
  *   into 4 KiB pages is cut at the queue's segment limit (254 pages on the disks measured), one
@@ -521,6 +522,37 @@ static PyObject *answers(const signed char *ok, Py_ssize_t n) {
  * with the GIL released; the answers as `answers` gives them. */
 typedef signed char (*path_fn)(int dfd, const char *name, Py_ssize_t i, const void *ctx);
 
+typedef struct {
+    int root;
+    char **paths;
+    signed char *ok;
+    Py_ssize_t n;
+    Py_ssize_t next;
+    path_fn fn;
+    const void *ctx;
+} paths_t;
+
+static void *run_paths(void *arg) {
+    paths_t *p = arg;
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
+        if (i >= p->n) break;
+        const char *name;
+        int dfd = open_parent(p->root, p->paths[i], &name);
+        if (dfd < 0) {
+            p->ok[i] = REFUSED_OPENAT2 ? -1 : 0;
+            continue;
+        }
+        p->ok[i] = p->fn(dfd, name, i, p->ctx);
+        close(dfd);
+    }
+    return NULL;
+}
+
+/* Paths per extra thread of a lookup: below this a thread's start costs more than it saves. */
+#define PATHS_PER_THREAD 128
+#define PATH_THREADS 4
+
 static PyObject *each_path(int root, PyObject *list, path_fn fn, const void *ctx) {
     Py_ssize_t n;
     char **paths = parse_paths(list, &n);
@@ -530,17 +562,18 @@ static PyObject *each_path(int root, PyObject *list, path_fn fn, const void *ctx
     if (!ok) {
         PyErr_NoMemory();
     } else {
+        paths_t p = {root, paths, ok, n, 0, fn, ctx};
+        int threads = (int)(n / PATHS_PER_THREAD);
+        if (threads > PATH_THREADS) threads = PATH_THREADS;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const char *name;
-            int dfd = open_parent(root, paths[i], &name);
-            if (dfd < 0) {
-                ok[i] = REFUSED_OPENAT2 ? -1 : 0;
-                continue;
-            }
-            ok[i] = fn(dfd, name, i, ctx);
-            close(dfd);
+        pthread_t tids[PATH_THREADS];
+        int started = 0;
+        for (int t = 1; t < threads; t++) {
+            if (pthread_create(&tids[started], NULL, run_paths, &p) != 0) break;  /* fewer threads, same work */
+            started++;
         }
+        run_paths(&p);
+        for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
         Py_END_ALLOW_THREADS
         out = answers(ok, n);
     }
@@ -567,27 +600,30 @@ static PyObject *stat_chunks(PyObject *self, PyObject *args) {
     return each_path(root, list, is_chunk, &size);
 }
 
-typedef struct { long long atime, mtime; int check; } lease_t;
+typedef struct { long long atime, mtime, size; int check; } lease_t;
 
 static signed char lease_one(int dfd, const char *name, Py_ssize_t i, const void *ctx) {
     const lease_t *l = ctx;
     long long a = l->atime + i, m = l->mtime + i;
     struct timespec ts[2] = {{a / 1000000000LL, a % 1000000000LL}, {m / 1000000000LL, m % 1000000000LL}};
     if (utimensat(dfd, name, ts, AT_SYMLINK_NOFOLLOW) != 0) return 0;
+    if (!l->check && !l->size) return 1;
     struct stat st;
-    return !l->check || (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-                         (long long)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec >= l->atime);
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) return 0;
+    if (l->size && !(S_ISREG(st.st_mode) && st.st_size == l->size)) return 0;
+    return !l->check || (long long)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec >= l->atime;
 }
 
-/* lease_chunks(root_fd, rels, atime_ns, mtime_ns, check) -> [1/0/-1]: sets entry i's own times to
- * (atime_ns + i, mtime_ns + i) without following a link; 1 where that landed and, with
+/* lease_chunks(root_fd, rels, atime_ns, mtime_ns, check, size) -> [1/0/-1]: sets entry i's own
+ * times to (atime_ns + i, mtime_ns + i) without following a link; 1 where that landed and, with
  * `check`, the entry still has an atime at or past `atime_ns` afterwards (an evictor renaming it
- * aside in between takes the name away: then it is not ours). */
+ * aside in between takes the name away: then it is not ours) and, with `size` > 0, it is a
+ * regular file of `size` bytes (a lookup's presence check and lease in one pass). */
 static PyObject *lease_chunks(PyObject *self, PyObject *args) {
     int root;
     PyObject *list;
     lease_t l;
-    if (!PyArg_ParseTuple(args, "iOLLp", &root, &list, &l.atime, &l.mtime, &l.check)) return NULL;
+    if (!PyArg_ParseTuple(args, "iOLLpL", &root, &list, &l.atime, &l.mtime, &l.check, &l.size)) return NULL;
     return each_path(root, list, lease_one, &l);
 }
 

@@ -105,12 +105,13 @@ def stat_chunks(root_fd: int, rels: Sequence[str], size: int) -> Optional[list[b
     return None if -1 in got else [g == 1 for g in got]
 
 
-def lease_chunks(root_fd: int, rels: Sequence[str], atime_ns: int, mtime_ns: int, check: bool) -> Optional[list[bool]]:
+def lease_chunks(root_fd: int, rels: Sequence[str], atime_ns: int, mtime_ns: int, check: bool,
+                 size: int = 0) -> Optional[list[bool]]:
     """Set path ``i``'s own times to ``(atime_ns + i, mtime_ns + i)`` (never a link's target);
     per path whether that landed and, with ``check``, whether its atime is still at or past
-    ``atime_ns`` afterwards; None where the kernel refuses ``openat2``. Called by
-    ``Namespace.lease_many``."""
-    got = _batchio.lease_chunks(root_fd, [r.encode() for r in rels], atime_ns, mtime_ns, check)
+    ``atime_ns`` afterwards, and with ``size``, whether it is a regular file of ``size`` bytes;
+    None where the kernel refuses ``openat2``. Called by ``Namespace.lease_many``."""
+    got = _batchio.lease_chunks(root_fd, [r.encode() for r in rels], atime_ns, mtime_ns, check, size)
     return None if -1 in got else [g == 1 for g in got]
 
 

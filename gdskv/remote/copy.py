@@ -245,3 +245,4 @@ class _Detached(Namespace):
         self.spec = spec
         self.id = spec.namespace_id
         self._array_dirs = {g.layer_group_id: f"ns/{self.id}/g{g.layer_group_id}" for g in spec.groups}
+        self._store_keys = {}

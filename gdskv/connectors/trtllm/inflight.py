@@ -10,6 +10,7 @@ import logging
 from concurrent.futures import Future
 from typing import Optional
 
+from gdskv.paced import PacedLoad
 from gdskv.transfer import LoadStatus
 
 log = logging.getLogger(__name__)
@@ -30,15 +31,16 @@ def settle(inflight: dict[int, list[Future]], what: Optional[str]) -> None:
             del inflight[rid]
 
 
-def settle_loads(inflight: dict[int, list[Optional[Future]]]) -> list[tuple[int, int, int]]:
-    """Take the requests whose loads have all finished out of ``inflight``; for each one with a
-    load that did not come back ``LOADED`` (failed, cancelled, not posted), ``(request id,
-    failed loads, loads)``."""
+def settle_loads(inflight: dict[int, PacedLoad]) -> list[tuple[int, int, int]]:
+    """Take the requests whose asynchronous loads have all finished out of ``inflight``; for
+    each one with a page that did not come back ``LOADED`` (failed, cancelled, never posted),
+    ``(request id, failed loads, loads)``."""
     failed = []
-    for rid, futures in list(inflight.items()):
-        if not all(f is None or f.done() for f in futures):
+    for rid, load in list(inflight.items()):
+        if not load.done:
             continue
         del inflight[rid]
+        futures = load.futures
         bad = sum(1 for f in futures if f is None or f.cancelled() or f.exception() is not None or f.result() is not LoadStatus.LOADED)
         if bad:
             failed.append((rid, bad, len(futures)))

@@ -11,6 +11,7 @@ import logging
 from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 from gdskv import streams
@@ -20,6 +21,7 @@ from gdskv.connectors.trtllm.deployment import ConnectorSetupError, Deployment, 
 from gdskv.connectors.trtllm.inflight import settle, settle_loads
 from gdskv.connectors.trtllm.layout_check import check_layout, region_tensors
 from gdskv.layout import single_pool_layout
+from gdskv.paced import PacedLoad, post_pages
 from gdskv.planner import ConnectorMetadata
 from gdskv.service import KvService, ServiceSetupError
 from gdskv.store import Namespace, NamespaceSpec
@@ -90,7 +92,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
         # across steps
         self._loads: dict[int, list[Future]] = {}
         """Loads inside the forward pass (awaited per layer), per request, until settled."""
-        self._async_loads: dict[int, list[Future]] = {}
+        self._async_loads: dict[int, PacedLoad] = {}
         """Asynchronous loads (the request is outside the batch), per request, until all landed."""
         self._saves: dict[int, list[Future]] = {}
         self._awaiting_save: dict[int, None] = {}
@@ -170,19 +172,25 @@ class GdsKvWorker(KvCacheConnectorWorker):
         self._peers.forget_before(meta.step)
         background = getattr(meta, "async_loads", frozenset())
         ready = None
+        paced: dict[int, list[tuple[int, Any]]] = {}
         for gid in self._group_layers:
             group = self._layout.group(gid)
             ops = list(meta.loads_of_group(gid))
             if ops and ready is None:  # kernels queued so far may still use the slots: loads wait for them
                 ready = streams.record_ready(stream, [self._device])
-            futures = self.service.load_many(gid, [(op.key, page_segments(group, op.page_slot)) for _, op in ops],
-                                             ready=ready)
-            for (rid, op), fut in zip(ops, futures):
+            now = [(rid, op) for rid, op in ops if rid not in background]
+            for rid, op in ops:
                 if rid in background:
-                    self._async_loads.setdefault(rid, []).append(fut)
-                    continue
+                    paced.setdefault(rid, []).append((gid, op))
+            futures = self.service.load_many(gid, [(op.key, page_segments(group, op.page_slot)) for _, op in now],
+                                             ready=ready)
+            for (rid, op), fut in zip(now, futures):
                 self._step_loads[gid].append((rid, fut))
                 self._loads.setdefault(rid, []).append(fut)
+        for load in self._async_loads.values():
+            load.pump()
+        for rid, rid_ops in paced.items():  # outside the batch: posted a slice per step (gdskv.paced)
+            self._async_loads[rid] = PacedLoad(rid_ops, partial(post_pages, self.service, self._layout, ready=ready))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Before layer ``layer_idx`` computes: wait for the loads into its group's pages."""
@@ -216,8 +224,12 @@ class GdsKvWorker(KvCacheConnectorWorker):
         ``get_load_failures``."""
         for rid in finished_gen_req_ids:
             self._awaiting_save[int(rid)] = None
+            if int(rid) in self._async_loads:  # aborted while loading: post no more of it
+                self._async_loads[int(rid)].cancel()
         for rid in started_loading_req_ids:
             self._awaiting_load[int(rid)] = None
+        for load in self._async_loads.values():
+            load.pump()
         settle(self._saves, "save")
         settle(self._loads, None)  # logged when awaited, in _finish_loads
         for rid, bad, total in settle_loads(self._async_loads):
