@@ -87,14 +87,22 @@ class _Subject:
     name: str
     pool: str = "hugepage"
     """The page pool ``measure`` hands this subject (``POOLS``); raw I/O needs aligned memory."""
-    verifies_itself = False
-    """True for subjects that check their loads themselves (peers hold their own pools)."""
     supports_hot = False
     """True for subjects with a host-memory tier: then ``load_hot`` is measured. The hook for the
     store's host tier (``host_bytes``): a subject over ``KvService`` that sets this."""
 
     def prepare(self, workdir: Path, num_pages: int, page_bytes: int) -> None:
         self.workdir = workdir
+
+    def clear(self, target: torch.Tensor) -> None:
+        """Before each timed load: the target pages zeroed (and so already touched: a load's
+        figure never includes first-touch page faults of its destination)."""
+        target.zero_()
+
+    def check(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """After each timed load: the pages read back equal the pages saved, or raise."""
+        if not torch.equal(target, source):
+            raise RuntimeError(f"{self.name}: pages read back differ from the pages saved")
 
     def load_hot(self, pages: torch.Tensor) -> None:
         """A load right after a load, served from host memory (``supports_hot`` subjects)."""
@@ -413,8 +421,8 @@ def _timed(fn: Callable[[], None]) -> float:
 def measure(subject: _Subject, source: torch.Tensor, target: torch.Tensor, base: Path,
             shape: Optional[tuple[int, int]] = None) -> dict[str, float]:
     """Seconds, by kind, of one save of the pages of ``source`` (``[num_pages, page_bytes]``) up
-    to ``syncfs``, one load into ``target`` with the page cache dropped (checked against
-    ``source`` unless the subject checks itself) and one warm load (files read through the page
+    to ``syncfs``, one load into ``target`` with the page cache dropped and one warm load (each
+    into pages the subject cleared and checked after, both outside the timed load) (files read through the page
     cache first), in a fresh directory under ``base`` removed afterwards. Called per subject and
     round by ``run``, and by ``scripts/gpu_check.py``. ``shape``: pages and page size, for
     subjects that hold their own pages (then ``source`` and ``target`` are empty)."""
@@ -425,12 +433,13 @@ def measure(subject: _Subject, source: torch.Tensor, target: torch.Tensor, base:
         secs = {"save": _timed(lambda: (subject.save(source), sync_directory_fs(workdir)))}
         files = subject.files()
         drop_page_cache(files)
-        target.zero_()
+        subject.clear(target)
         secs["load_cold"] = _timed(lambda: subject.load(target))
-        if not subject.verifies_itself and not torch.equal(target, source):
-            raise RuntimeError(f"{subject.name}: pages read back differ from the pages saved")
+        subject.check(source, target)
         fill_page_cache(files)
+        subject.clear(target)
         secs["load_warm"] = _timed(lambda: subject.load(target))
+        subject.check(source, target)
         if subject.supports_hot:
             secs["load_hot"] = _timed(lambda: subject.load_hot(target))
         return secs

@@ -4,9 +4,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import pytest
 import torch
 
-from gdskv.bench import ChunkWriter
+from gdskv.bench import ChunkWriter, _Subject, measure
 from gdskv.io.posix import PosixEngine
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
 from gdskv.transfer import LoadStatus, PageTransfer
@@ -73,3 +74,45 @@ def test_the_peer_driver_loop_answers_each_command_and_reports_failures(tmp_path
     assert answers[1] == {"ok": True, "sum": 5}
     assert "disk gone" in answers[2]["error"]
     assert answers[3] == {"ok": True, "sum": 2}
+
+
+class _OneFile(_Subject):
+    """Pages in one real file; ``warm_reads`` False: a warm load that moves nothing (a bug the
+    bench must catch, since the target was cleared before it)."""
+
+    name = "one-file"
+    pool = "torch"
+
+    def __init__(self, warm_reads: bool) -> None:
+        self.warm_reads, self.calls, self.loads = warm_reads, [], 0
+
+    def save(self, pages: torch.Tensor) -> None:
+        (self.workdir / "pages").write_bytes(pages.numpy().tobytes())
+
+    def load(self, pages: torch.Tensor) -> None:
+        self.calls.append("load")
+        self.loads += 1
+        if self.loads == 1 or self.warm_reads:
+            data = (self.workdir / "pages").read_bytes()
+            pages.view(-1).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def clear(self, target: torch.Tensor) -> None:
+        self.calls.append("clear")
+        super().clear(target)
+
+    def check(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        self.calls.append("check")
+        super().check(source, target)
+
+    def files(self) -> list[str]:
+        return [str(self.workdir / "pages")]
+
+
+def test_every_timed_load_goes_into_cleared_pages_and_is_checked_after(tmp_path: Path) -> None:
+    source = torch.randint(0, 256, (8, 4096), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    good = _OneFile(warm_reads=True)
+    secs = measure(good, source, torch.empty_like(source), tmp_path)
+    assert set(secs) == {"save", "load_cold", "load_warm"}
+    assert good.calls == ["clear", "load", "check"] * 2
+    with pytest.raises(RuntimeError, match="differ"):
+        measure(_OneFile(warm_reads=False), source, source.clone(), tmp_path)

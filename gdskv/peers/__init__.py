@@ -86,9 +86,8 @@ class PeerSubject:
     """A peer as a ``gdskv.bench`` subject: same calls as the bench's own subjects (``prepare``,
     ``save``, ``load``, ``files``, ``end_round``, ``close``), carried out by the driver process,
     which holds its own page pool (the same page count and size, random pages from the round's
-    seed) and checks every load against what it saved (``verifies_itself``)."""
+    seed): ``clear`` and ``check`` are its driver's, on that pool."""
 
-    verifies_itself = True
     supports_hot = False
     pool = "own"  # the driver allocates its own pool
 
@@ -128,6 +127,12 @@ class PeerSubject:
 
     def load(self, pages: Any) -> None:
         self._call("load")
+
+    def clear(self, target: Any) -> None:
+        self._call("clear")
+
+    def check(self, source: Any, target: Any) -> None:
+        self._call("check")
 
     def files(self) -> list[str]:
         return self._call("files")["files"]
