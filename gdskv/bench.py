@@ -453,8 +453,12 @@ def rates(nbytes: int, secs: dict[str, float]) -> str:
     return ", ".join(f"{k} {nbytes / v / 1e9:.2f}" for k, v in secs.items()) + " GB/s"
 
 
-def _measure_page_size(page_bytes: int, subjects: list[Any], options: BenchOptions,
-                       base: Path, log: Callable[[str], None]) -> dict[str, dict[str, list[float]]]:
+def _measure_page_size(page_bytes: int, subjects: list[Any], options: BenchOptions, base: Path,
+                       log: Callable[[str], None], skipped: dict[str, str]) -> dict[str, dict[str, list[float]]]:
+    """Every round of every subject at one page size. A peer whose driver dies is taken out of
+    ``subjects`` (for the later page sizes too), with the reason in ``skipped``."""
+    from gdskv.peers import PeerUnavailable
+
     num_pages = max(1, options.total_bytes // page_bytes)
     data = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8,
                          generator=torch.Generator().manual_seed(page_bytes))
@@ -471,12 +475,21 @@ def _measure_page_size(page_bytes: int, subjects: list[Any], options: BenchOptio
     for rnd in range(options.rounds):
         order = subjects[rnd % len(subjects):] + subjects[:rnd % len(subjects)]
         for subject in order:
-            secs = measure(subject, *pools[subject.pool], base, (num_pages, page_bytes))
+            if subject not in subjects:
+                continue  # its driver died earlier in this round
+            try:
+                secs = measure(subject, *pools[subject.pool], base, (num_pages, page_bytes))
+            except PeerUnavailable as exc:  # a peer's driver died: the others' figures still count
+                log(f"  {_size(page_bytes)} pages: {exc}; left out from here on")
+                skipped[f"{subject.name} from {_size(page_bytes)} pages on"] = str(exc)
+                subjects.remove(subject)
+                subject.close()
+                continue
             for kind, v in secs.items():
                 samples[subject.name].setdefault(kind, []).append(v)
             log(f"  {_size(page_bytes)} pages, round {rnd + 1}/{options.rounds}, {subject.name}: "
                 + rates(num_pages * page_bytes, secs))
-    return samples
+    return {name: s for name, s in samples.items() if s}
 
 
 def _size(nbytes: int) -> str:
@@ -523,7 +536,7 @@ def run(options: BenchOptions, log: Callable[[str], None] = lambda line: None) -
     try:
         subjects = _subjects(options, base, report, log)
         for page_bytes in options.page_sizes:
-            samples = _measure_page_size(page_bytes, subjects, options, base, log)
+            samples = _measure_page_size(page_bytes, subjects, options, base, log, report["skipped"])
             moved = max(1, options.total_bytes // page_bytes) * page_bytes
             for name, s in samples.items():
                 row: dict[str, Any] = {"page_bytes": page_bytes, "subject": name, "bytes": moved}

@@ -116,3 +116,39 @@ def test_every_timed_load_goes_into_cleared_pages_and_is_checked_after(tmp_path:
     assert good.calls == ["clear", "load", "check"] * 2
     with pytest.raises(RuntimeError, match="differ"):
         measure(_OneFile(warm_reads=False), source, source.clone(), tmp_path)
+
+
+def test_a_peer_whose_driver_dies_is_left_out_and_the_run_goes_on(tmp_path: Path, monkeypatch) -> None:
+    """A peer's driver killed mid-run (out of memory, a crash): the bench reports why (exit
+    status, its last stderr line) and the other subjects' figures, instead of a broken pipe."""
+    import os
+    import sys
+
+    import gdskv.peers
+    from gdskv.bench import BenchOptions, format_report, run
+
+    cache = tmp_path / "cache"
+    (cache / "gdskv-test" / "venv-toy" / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, cache / "gdskv-test" / "venv-toy" / "bin" / "python")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    script = tmp_path / "dying_driver.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(Path(gdskv.peers.__file__).parent)!r})\n"
+        "from driver_loop import serve\n"
+        "class Dying:\n"
+        "    def prepare(self, dir, **kw): self.dir = dir; return {}\n"
+        "    def save(self): open(os.path.join(self.dir, 'f'), 'wb').write(b'x'); return {}\n"
+        "    def files(self): return {'files': [os.path.join(self.dir, 'f')]}\n"
+        "    def clear(self): return {}\n"
+        "    def load(self): print('killed: out of memory', file=sys.stderr, flush=True); os._exit(9)\n"
+        "    def end_round(self): return {}\n"
+        "serve(Dying, 'dying')\n")
+    monkeypatch.setitem(gdskv.peers.PEERS, "toy", gdskv.peers.Peer("toy", str(script), "venv-toy", "import json", None))
+    report = run(BenchOptions(directory=str(tmp_path), total_bytes=256 << 10, page_sizes=(64 << 10, 128 << 10), rounds=2,
+                              engines=("posix+o_direct",), peers=("toy",), baselines=False))
+    [why] = [v for k, v in report["skipped"].items() if k.startswith("peer:toy")]
+    assert "status 9" in why and "out of memory" in why
+    assert {(r["subject"], r["page_bytes"]) for r in report["results"]} == {
+        ("store:posix+o_direct@torch", 64 << 10), ("store:posix+o_direct@torch", 128 << 10)}
+    assert "out of memory" in format_report(report)

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -96,8 +97,9 @@ class PeerSubject:
         self.name = f"peer:{peer.name}"
         self._extra = prepare_extra
         py = peer.python(log)
+        self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen([str(py), str(HERE / peer.driver)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, text=True, cwd="/")
+                                      stderr=self._stderr, text=True, cwd="/")
         hello = self._read()
         if "error" in hello:
             self.close()
@@ -106,13 +108,26 @@ class PeerSubject:
     def _read(self) -> dict:
         line = self._proc.stdout.readline() if self._proc.stdout else ""
         if not line:
-            raise PeerUnavailable(f"{self.name}: the driver exited (status {self._proc.poll()})")
+            raise self._gone()
         return json.loads(line)
+
+    def _gone(self) -> PeerUnavailable:
+        """The driver died: its exit status and the last line it wrote to stderr."""
+        try:
+            status = self._proc.wait(5)
+        except subprocess.TimeoutExpired:
+            status = None
+        self._stderr.seek(0)
+        last = [ln for ln in self._stderr.read().decode(errors="replace").splitlines() if ln.strip()][-1:]
+        return PeerUnavailable(f"{self.name}: the driver exited (status {status}){': ' + last[0] if last else ''}")
 
     def _call(self, op: str, **args: Any) -> dict:
         assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self._proc.stdin.flush()
+        try:
+            self._proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+            self._proc.stdin.flush()
+        except OSError:  # a broken pipe: the driver is gone
+            raise self._gone() from None
         answer = self._read()
         if "error" in answer:
             raise RuntimeError(f"{self.name}: {answer['error']}")
@@ -149,3 +164,4 @@ class PeerSubject:
                 self._proc.wait(30)
             except (OSError, subprocess.SubprocessError):
                 self._proc.kill()
+        self._stderr.close()
