@@ -1,19 +1,36 @@
 """The TensorRT-LLM worker's transfers in flight, per request: settling them for ``get_finished``.
 
-``GdsKvWorker`` keeps one ``{request id: [futures]}`` map per kind (loads in the forward pass,
-asynchronous loads, saves) and settles them here at every ``get_finished``; a request leaves its
-map as soon as nothing of that kind is in flight for it, so no entry outlives its transfers.
+``GdsKvWorker`` keeps one map per kind, by request id (loads in the forward pass: futures;
+asynchronous loads: a ``PacedLoad``; saves: futures) and settles them here at every
+``get_finished``; a request leaves its map as soon as nothing of that kind is in flight for it,
+so no entry outlives its transfers. Also the worker's outcome counters (``WorkerCounters``).
 """
 from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Optional
 
 from gdskv.paced import PacedLoad
 from gdskv.transfer import LoadStatus
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerCounters:
+    """Outcomes of this worker's transfers."""
+
+    loads_posted: int = 0
+    loads_loaded: int = 0
+    loads_failed: int = 0
+    saves_posted: int = 0
+    saves_published: int = 0
+    saves_existing: int = 0
+    saves_dropped: int = 0
+    saves_suppressed: int = 0
+    """Saves not posted because the request's load failed in that step (its KV is not trusted)."""
 
 
 def settle(inflight: dict[int, list[Future]], what: Optional[str]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from concurrent.futures import Future
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
@@ -18,7 +17,7 @@ from gdskv import streams
 from gdskv.config import GdsKvConfig, load_config
 from gdskv.connectors.trtllm.base import KvCacheConnectorWorker
 from gdskv.connectors.trtllm.deployment import ConnectorSetupError, Deployment, peers
-from gdskv.connectors.trtllm.inflight import settle, settle_loads
+from gdskv.connectors.trtllm.inflight import WorkerCounters, settle, settle_loads
 from gdskv.connectors.trtllm.layout_check import check_layout, region_tensors
 from gdskv.layout import single_pool_layout
 from gdskv.paced import PacedLoad, post_pages
@@ -30,21 +29,6 @@ from gdskv.transfer import LoadStatus, PageTransfer, page_segments
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class WorkerCounters:
-    """Outcomes of this worker's transfers."""
-
-    loads_posted: int = 0
-    loads_loaded: int = 0
-    loads_failed: int = 0
-    saves_posted: int = 0
-    saves_published: int = 0
-    saves_existing: int = 0
-    saves_dropped: int = 0
-    saves_suppressed: int = 0
-    """Saves not posted because the request's load failed in that step (its KV is not trusted)."""
-
-
 class GdsKvWorker(KvCacheConnectorWorker):
     """The rank-local half: executes the step's metadata against this rank's KV pool.
 
@@ -54,8 +38,9 @@ class GdsKvWorker(KvCacheConnectorWorker):
     computed (a page holds every layer of its group), ``wait_for_save`` makes sure every save is
     posted. No save blocks the step: saves finish in the background and are reported by
     ``get_finished``. Loads the scheduler made asynchronous (``StepMetadata.async_loads``) are
-    posted in ``start_load_kv`` too but never awaited in the step: ``get_finished`` reports the
-    request loaded once every page landed, and ``get_load_failures`` lists it if one did not.
+    posted a slice per step from ``start_load_kv`` on (``gdskv.paced``), never awaited in a
+    step: ``get_finished`` reports the request loaded once every page landed, and
+    ``get_load_failures`` lists it if one did not.
 
     Device ordering (``gdskv.streams``): a readiness recorded on the engine's stream when the slots
     are handed over (``start_load_kv`` for loads, the group's last ``save_kv_layer`` for saves) is
