@@ -77,13 +77,15 @@ class PacedLoad:
             stop = self._next = min(len(self._ops), start + self._slice)
             self._posting = True
         try:
-            futures = self._post([(i, self._ops[i]) for i in range(start, stop)])
+            futures: Optional[list[Optional[Future]]] = self._post([(i, self._ops[i]) for i in range(start, stop)])
         except Exception as e:  # never into the serving loop or a transfer thread: the rest is a miss
             log.warning("gdskv: an asynchronous load could not be posted (%d pages left unloaded): %s",
                         len(self._ops) - start, e)
-            futures, self._cancelled = [], True
+            futures = None
         with self._lock:
             self._posting = False
+            if futures is None:
+                futures, self._cancelled = [], True
             live = [(start + k, f) for k, f in enumerate(futures) if f is not None]
             self._unfinished += len(live)
             for i, f in live:

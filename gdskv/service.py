@@ -252,8 +252,9 @@ class KvService:
         serves (``Lookup.num_new_tokens``; full blocks only, never the last token), with every
         served chunk of every group and shard leased: in the same pass as the presence checks
         (``_stored_leased``), or, with a remote tier or ``window_aware``, after them, planned
-        again, once, when a lease fails. ``window_aware``: ``plan_lookup_window_aware`` (a sliding group needs, and leases, only
-        the blocks inside its window before the served length)."""
+        again, once, when a lease fails. ``window_aware``: ``plan_lookup_window_aware`` (a
+        sliding group needs, and leases, only the blocks inside its window before the served
+        length)."""
         stored = self._lookup_stored()
         t0 = time.perf_counter()
         for attempt in (0, 1):

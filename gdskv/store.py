@@ -211,11 +211,11 @@ class Namespace:
         self.counters = Counters()
         self._array_dirs = {g.layer_group_id: str(self.path / f"g{g.layer_group_id}") for g in spec.groups}
         self._unusable: dict[str, tuple[int, int]] = {}
+        """Chunk paths that failed verification but could not be quarantined (read-only store,
+        full disk), with the (inode, mtime) they had: lookups skip them until they change."""
         self._store_keys: dict[tuple[int, bytes], tuple[bytes, str, str, str]] = {}
         """Names of recently named blocks' chunks (``_named``): a lookup, its lease, the load and
         its check name the same 512 blocks of a 32k-token prefix four times; one hash is enough."""
-        """Chunk paths that failed verification but could not be quarantined (read-only store,
-        full disk), with the (inode, mtime) they had: lookups skip them until they change."""
 
     def array_path(self, group: int) -> Path:
         return self.path / f"g{group}"
