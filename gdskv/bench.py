@@ -421,10 +421,10 @@ def _timed(fn: Callable[[], None]) -> float:
 def measure(subject: _Subject, source: torch.Tensor, target: torch.Tensor, base: Path,
             shape: Optional[tuple[int, int]] = None) -> dict[str, float]:
     """Seconds, by kind, of one save of the pages of ``source`` (``[num_pages, page_bytes]``) up
-    to ``syncfs``, one load into ``target`` with the page cache dropped and one warm load (each
-    into pages the subject cleared and checked after, both outside the timed load) (files read through the page
-    cache first), in a fresh directory under ``base`` removed afterwards. Called per subject and
-    round by ``run``, and by ``scripts/gpu_check.py``. ``shape``: pages and page size, for
+    to ``syncfs``, one load into ``target`` with the page cache dropped and one warm load
+    (files read through the page cache first), each into pages the subject cleared before and
+    checks after, outside the timing, in a fresh directory under ``base`` removed afterwards.
+    Called per subject and round by ``run``. ``shape``: pages and page size, for
     subjects that hold their own pages (then ``source`` and ``target`` are empty)."""
     workdir = Path(tempfile.mkdtemp(prefix="round-", dir=base))
     subject.prepare(workdir, *(shape or source.shape))
