@@ -207,9 +207,12 @@ class KvService:
         return chain_keys(tokens, self.tokens_per_block, cache_salt, start=start, parent=parent)
 
     # -- lookups ----------------------------------------------------------------------------------
-    def stored(self, group: int, keys: Sequence[bytes]) -> list[bool]:
+    def stored(self, group: int, keys: Sequence[bytes], lease: bool = False) -> list[bool]:
         """For each key, whether every TP shard's chunk of it is in the store (layer group
-        ``group``). A shard is asked only about keys the shards before it hold."""
+        ``group``). A shard is asked only about keys the shards before it hold. ``lease``: lease
+        what is found in the same pass (``Namespace.lease_many(present=True)``): a lookup's
+        presence checks and leases cost one path walk per chunk, not two, and nothing can be
+        evicted between the check and the lease."""
         if not self.active:
             return [False] * len(keys)
         present = [True] * len(keys)
@@ -217,7 +220,9 @@ class KvService:
             todo = [i for i, p in enumerate(present) if p]
             if not todo:
                 break
-            for i, there in zip(todo, ns.contains_many(group, [keys[i] for i in todo])):
+            asked = [keys[i] for i in todo]
+            found = ns.lease_many(group, asked, self.lease_seconds, present=True) if lease else ns.contains_many(group, asked)
+            for i, there in zip(todo, found):
                 present[i] = there
         return present
 
@@ -225,18 +230,7 @@ class KvService:
         return self.stored(self.group_ids[index], keys)
 
     def _stored_leased(self, index: int, keys: Sequence[bytes]) -> list[bool]:
-        """``stored``, leasing what it finds in the same pass (every shard asked about what the
-        shards before it hold): a lookup's presence checks and leases cost one path walk per
-        chunk, not two, and nothing can be evicted between the check and the lease."""
-        group = self.group_ids[index]
-        present = [True] * len(keys)
-        for ns in self.namespaces:
-            todo = [i for i, p in enumerate(present) if p]
-            if not todo:
-                break
-            for i, there in zip(todo, ns.lease_many(group, [keys[i] for i in todo], self.lease_seconds, present=True)):
-                present[i] = there
-        return present
+        return self.stored(self.group_ids[index], keys, lease=True)
 
     def _lookup_stored(self) -> Callable[[int, Sequence[bytes]], list[bool]]:
         """What a lookup asks (by group index): the local store, and for what misses there the
