@@ -163,10 +163,12 @@ class GdsKvWorker(KvCacheConnectorWorker):
             ops = list(meta.loads_of_group(gid))
             if ops and ready is None:  # kernels queued so far may still use the slots: loads wait for them
                 ready = streams.record_ready(stream, [self._device])
-            now = [(rid, op) for rid, op in ops if rid not in background]
+            now = []
             for rid, op in ops:
                 if rid in background:
                     paced.setdefault(rid, []).append((gid, op))
+                else:
+                    now.append((rid, op))
             futures = self.service.load_many(gid, [(op.key, page_segments(group, op.page_slot)) for _, op in now],
                                              ready=ready)
             for (rid, op), fut in zip(now, futures):
