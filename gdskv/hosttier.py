@@ -18,7 +18,8 @@ makes host/device copies direct and asynchronous), plain host memory elsewhere, 
 (``gdskv.hostmem``): buffers of evicted entries are reused once nobody reads them.
 
 Called by ``gdskv.service.KvService`` (bring-up: ``tier_bytes``; ``load``/``save``: ``borrow``,
-``put``); ``gather``/``scatter`` are the copies between an entry and a page's segments.
+``put``, and ``reserve``/``commit``/``abort`` for a load from the disk that reads into the entry's
+buffer itself); ``gather``/``scatter`` are the copies between an entry and a page's segments.
 """
 from __future__ import annotations
 
@@ -160,36 +161,62 @@ class HostTier:
         nbytes = payload_nbytes(segments)
         if nbytes is None:
             raise ValueError("a page segment must be contiguous to be copied in place")
+        slot = self.reserve(key, nbytes)
+        if slot is None:
+            return Put()
+        try:
+            gather(segments, slot.buf)
+        except BaseException:
+            self.abort(slot)
+            raise
+        return self.commit(slot)
+
+    def reserve(self, key: Hashable, nbytes: int) -> Optional["Reserved"]:
+        """A buffer of ``nbytes`` for ``key``'s payload, to be filled by the caller and then
+        ``commit``-ted (or ``abort``-ed): None when the tier holds ``key`` already (it becomes the
+        most recent entry), the page does not fit the budget, or no memory can be had. Room is
+        made now (least recent entries evicted) and counted as used until the end. Called by
+        ``put``, and by ``KvService.load_many`` so that a load from the disk reads straight into
+        the buffer its page will be kept in (the page slot gets a copy: no second copy to fill)."""
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
-                return Put()
-            if nbytes > self.capacity or nbytes == 0:
-                return Put()
+                return None
+            if nbytes > self.capacity or nbytes <= 0:
+                return None
             pages, freed = self._evict_until(self.capacity - nbytes)
-            self._used += nbytes  # reserved while the copy runs outside the lock
-        got = None
+            self._used += nbytes
         try:
             got = self._memory.take(nbytes)
-            if got is not None:
-                gather(segments, got[0])
         except BaseException:
             with self._lock:
                 self._used -= nbytes
-            if got is not None:
-                self._memory.give(*got)
             raise
-        with self._lock:
-            taken = got is not None and key not in self._entries  # else another thread took it meanwhile
-            if taken:
-                self._entries[key] = _Entry(*got)
-            else:
+        if got is None:
+            with self._lock:
                 self._used -= nbytes
-                if key in self._entries:
-                    self._entries.move_to_end(key)
-        if got is not None and not taken:
-            self._memory.give(*got)
-        return Put(taken, pages, freed)
+            return None
+        return Reserved(key, got[0], got[1], pages, freed)
+
+    def commit(self, slot: "Reserved") -> Put:
+        """``slot``'s buffer, now holding exactly its key's verified payload, becomes the key's
+        entry (unless another thread's entry for the key came first: then it is given back)."""
+        with self._lock:
+            taken = slot.key not in self._entries
+            if taken:
+                self._entries[slot.key] = _Entry(slot.buf, slot.slab)
+            else:
+                self._used -= slot.buf.numel()
+                self._entries.move_to_end(slot.key)
+        if not taken:
+            self._memory.give(slot.buf, slot.slab)
+        return Put(taken, slot.evicted, slot.evicted_bytes)
+
+    def abort(self, slot: "Reserved") -> None:
+        """``slot`` will not be committed (its load failed): its buffer and room are given back."""
+        with self._lock:
+            self._used -= slot.buf.numel()
+        self._memory.give(slot.buf, slot.slab)
 
     def discard(self, key: Hashable) -> bool:
         """Forget ``key``'s payload; whether it was held."""
@@ -215,6 +242,18 @@ class HostTier:
             freed += entry.buf.numel()
             self._drop(entry)
         return pages, freed
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """A buffer ``HostTier.reserve`` set aside for ``key``'s payload; ``evicted`` pages of
+    ``evicted_bytes`` left the tier to make room for it."""
+
+    key: Hashable
+    buf: torch.Tensor
+    slab: Any
+    evicted: int
+    evicted_bytes: int
 
 
 class Borrowed:

@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import install_budget
 from gdskv.garbage import collect_in_background
-from gdskv.hosttier import HostTier, TierConfigError, payload_nbytes, scatter, tier_bytes
+from gdskv.hosttier import HostTier, Put, Reserved, TierConfigError, payload_nbytes, scatter, tier_bytes
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
 from gdskv.metrics import ServiceMetrics, attach, engine_of
@@ -347,25 +347,30 @@ class KvService:
         t0 = time.perf_counter()
         nbytes = self.bytes_per_page(group)
         out: list[Optional[Future]] = [None] * len(items)
-        disk: list[tuple[int, bytes, list[Any]]] = []
+        disk: list[tuple[int, bytes, list[Any], Optional[Reserved]]] = []
         for i, (key, segments) in enumerate(items):
             segments = list(segments)
+            slot = None
             if self.host is not None:
                 out[i] = self._load_from_host(rank, group, key, segments, ready, nbytes, t0)
                 if out[i] is not None:
                     continue
-            disk.append((i, key, segments))
+                slot = self._reserve(rank, group, key, segments)
+            disk.append((i, key, segments, slot))
         if not disk:
             return out
         with self._lock:
             self._inflight += len(disk)
             self._add({"loads_posted": len(disk)})
-        def count(futures: list[Future]) -> None:
-            for (i, key, segments), fut in zip(disk, futures):
-                out[i] = _counted(fut, lambda f, key=key, segments=segments: (
-                    self._fill(f, LoadStatus.LOADED, rank, group, key, segments), self._loaded(f, nbytes, t0, transfer.ns)))
 
-        transfer.load_pages(group, [(key, segments) for _, key, segments in disk], ready=ready, on_posted=count)
+        def count(futures: list[Future]) -> None:
+            for (i, key, segments, slot), fut in zip(disk, futures):
+                out[i] = _counted(fut, lambda f, key=key, segments=segments, slot=slot: (
+                    self._fill(f, LoadStatus.LOADED, rank, group, key, segments) if slot is None else self._settle(f, slot, rank),
+                    self._loaded(f, nbytes, t0, transfer.ns)))
+
+        transfer.load_pages(group, [(key, segments, None if slot is None else slot.buf) for _, key, segments, slot in disk],
+                            ready=ready, on_posted=count)
         return out
 
     def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
@@ -453,6 +458,38 @@ class KvService:
             fut.set_result(LoadStatus.MISSING)
         return _counted(fut, lambda f: self._loaded(f, nbytes, t0, self.namespaces[rank], hit))
 
+    def _reserve(self, rank: int, group: int, key: bytes, segments: list[Any]) -> Optional[Reserved]:
+        """A host-tier buffer for a page about to be read from the disk (the transfer reads the
+        chunk into it, and the page gets a copy: ``PageTransfer.load_pages``), or None: the tier
+        holds the page already, it does not fit, or its segments cannot be copied in place."""
+        size = payload_nbytes(segments)
+        if not size:
+            return None
+        try:
+            return self.host.reserve((rank, group, key), size)
+        except Exception as e:  # never into the serving loop: the page is only not kept
+            log.warning("gdskv: no host-tier buffer for a page: %s", e)
+            return None
+
+    def _settle(self, fut: Future, slot: Reserved, rank: int) -> None:
+        """A load through a reserved host-tier buffer finished (on the transfer's thread, before
+        the caller sees it done): the buffer becomes the page's entry when the page LOADED (it
+        holds the verified payload), else it is given back."""
+        if fut.cancelled() or fut.exception() is not None or fut.result() is not LoadStatus.LOADED:
+            self.host.abort(slot)
+            return
+        self._counted_put(self.host.commit(slot), rank, slot.buf.numel())
+
+    def _counted_put(self, put: Put, rank: int, size: int) -> None:
+        if not put.taken:
+            return
+        self._count(host_fills=1, host_fill_bytes=size, host_evictions=put.evicted, host_evicted_bytes=put.evicted_bytes)
+        shared = self.namespaces[rank].counters
+        shared.add("host_fills")
+        if put.evicted:
+            shared.add("host_evictions", put.evicted)
+            shared.add("host_evicted_bytes", put.evicted_bytes)
+
     def _fill(self, fut: Future, wanted: Any, rank: int, group: int, key: bytes, segments: list[Any]) -> None:
         """Copy a page into the host tier once its transfer came back ``wanted`` (a save
         PUBLISHED: the bytes just written; a load LOADED: the bytes just verified). Runs on the
@@ -466,15 +503,7 @@ class KvService:
         except Exception as e:
             log.warning("gdskv: a page was not copied into the host tier: %s", e)
             return
-        if not put.taken:
-            return
-        size = payload_nbytes(segments) or 0
-        self._count(host_fills=1, host_fill_bytes=size, host_evictions=put.evicted, host_evicted_bytes=put.evicted_bytes)
-        shared = self.namespaces[rank].counters
-        shared.add("host_fills")
-        if put.evicted:
-            shared.add("host_evictions", put.evicted)
-            shared.add("host_evicted_bytes", put.evicted_bytes)
+        self._counted_put(put, rank, payload_nbytes(segments) or 0)
 
     @property
     def in_flight(self) -> int:

@@ -299,14 +299,17 @@ class PageTransfer:
         """
         return self.load_pages(group, [(key, segments)], ready)[0]
 
-    def load_pages(self, group: int, items: Sequence[tuple[bytes, Sequence[torch.Tensor]]],
-                   ready: Optional[Any] = None, on_posted: Optional[Callable[[list[Future]], None]] = None
-                   ) -> list["Future[LoadStatus]"]:
+    def load_pages(self, group: int, items: Sequence[tuple], ready: Optional[Any] = None,
+                   on_posted: Optional[Callable[[list[Future]], None]] = None) -> list["Future[LoadStatus]"]:
         """``load_page`` for a step's pages at once (``(key, segments)`` each, one ``ready`` for
         all): one future per page, in order, with at most ``depth`` pages in flight (see
-        ``_batch``, and there for ``on_posted``)."""
-        return self._batch(self._load, self._load_slice, group, [(key, list(segs)) for key, segs in items], ready,
-                           on_posted)
+        ``_batch``, and there for ``on_posted``). An item ``(key, segments, via)`` names a flat
+        ``uint8`` host buffer of the page's size (the host tier's, ``KvService.load_many``) that
+        holds the payload too once the page is LOADED: the chunk is read into ``via`` (with
+        O_DIRECT where it is aligned) and copied into the segments from there, checksummed on
+        the way, so keeping the page costs no second copy."""
+        jobs = [(item[0], list(item[1]), item[2] if len(item) > 2 else None) for item in items]
+        return self._batch(self._load, self._load_slice, group, jobs, ready, on_posted)
 
     def _batch(self, fn: Callable[..., Any], slice_fn: Callable[[int, list[tuple], int], list[Any]], group: int,
                jobs: list[tuple], ready: Optional[Any], on_posted: Optional[Callable[[list[Future]], None]] = None
@@ -363,9 +366,14 @@ class PageTransfer:
         no host staging forced."""
         return self.engine.batches_chunks and not self._stage_host
 
-    def _load(self, group: int, key: bytes, segments: list[torch.Tensor], ready: Optional[Any] = None) -> LoadStatus:
-        if ready is not None:
-            ready.synchronize()
+    def _load(self, group: int, key: bytes, segments: list[torch.Tensor], via: Optional[torch.Tensor] = None) -> LoadStatus:
+        """One page on the per-page path; a LOADED page's payload is copied into ``via`` too."""
+        status = self._load_page(group, key, segments)
+        if status is LoadStatus.LOADED and via is not None:
+            _gather(segments, via)
+        return status
+
+    def _load_page(self, group: int, key: bytes, segments: list[torch.Tensor]) -> LoadStatus:
         ns = self.ns
         path = ns.chunk_path(group, key)
         nbytes = sum(s.numel() for s in segments)
@@ -408,29 +416,37 @@ class PageTransfer:
         ns.counters.add("bytes_read", nbytes)
         return LoadStatus.LOADED
 
-    def _load_slice(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor]]], threads: int = 1) -> list[LoadStatus]:
+    def _load_slice(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor], Optional[torch.Tensor]]],
+                    threads: int = 1) -> list[LoadStatus]:
         """``_load`` for a slice of pages through the native batch path: one call opens, reads
-        and checksums every chunk with the GIL released, on ``threads`` native threads; the
-        trailers are verified here. A page
-        the batch path cannot take, or that fails in it (missing, short, corrupt, refused), goes
-        through ``_load``, which classifies and counts it."""
+        and checksums every chunk with the GIL released, on ``threads`` native threads (a page
+        with a ``via`` buffer is read into it and copied into its segments); the trailers are
+        verified here. A page the batch path cannot take, or that fails in it (missing, short,
+        corrupt, refused), goes through ``_load``, which classifies and counts it."""
         ns = self.ns
         fs = ns.store.fs
         budget = ns.store.budget
         out: list[Optional[LoadStatus]] = [None] * len(jobs)
         native: list[int] = []
-        work: list[tuple[str, list[batchio.Piece]]] = []
+        work: list[tuple] = []
         trailers: list[bytearray] = []
         pinned: list[str] = []
-        for i, (key, segments) in enumerate(jobs):
+        copy_to_via: set[int] = set()
+        for i, (key, segments, via) in enumerate(jobs):
             trailer = bytearray(fmt.TRAILER_BYTES)
             pieces = batchio.pieces_of(segments, trailer)
             if pieces is None:
-                out[i] = self._load(group, key, segments)
+                out[i] = self._load(group, key, segments, via)
                 continue
-            work.append((ns.chunk_relpath(group, key), pieces))
+            through = None
+            if via is not None and via.numel() * via.element_size() == sum(n for _, n in pieces[:-1]):
+                through = batchio.pieces_of([via], trailer)
+            work.append((ns.chunk_relpath(group, key), pieces) if through is None else
+                        (ns.chunk_relpath(group, key), through, pieces[:-1]))
             trailers.append(trailer)
             native.append(i)
+            if through is None and via is not None:
+                copy_to_via.add(i)
             if budget is not None:
                 pinned.append(ns.chunk_path(group, key))
                 budget.pin(pinned[-1])
@@ -442,7 +458,7 @@ class PageTransfer:
                     budget.unpin(path)
             loaded = nbytes_loaded = 0
             for i, trailer, result in zip(native, trailers, results):
-                key, segments = jobs[i]
+                key, segments, via = jobs[i]
                 nbytes = sum(t.numel() * t.element_size() for t in segments)
                 if result.err == 0 and checksum.check_crc(trailer, segments, result.crc, group=group,
                                                           store_key=ns.store_key(group, key), block_key=key,
@@ -450,8 +466,10 @@ class PageTransfer:
                     loaded += 1
                     nbytes_loaded += nbytes
                     out[i] = LoadStatus.LOADED
+                    if i in copy_to_via:
+                        _gather(segments, via)
                 else:
-                    out[i] = self._load(group, key, segments)
+                    out[i] = self._load(group, key, segments, via)
             if loaded:
                 ns.counters.add("loads_hit", loaded)
                 ns.counters.add("bytes_read", nbytes_loaded)
@@ -532,6 +550,15 @@ def _file_segments(pages: Sequence[torch.Tensor], trailer: Buffer) -> list[Segme
         off += nbytes
     segs.append(Segment(off, trailer))
     return segs
+
+
+def _gather(segments: Sequence[torch.Tensor], via: torch.Tensor) -> None:
+    """Copy a loaded page's segments into its ``via`` buffer (where it was not read through it)."""
+    off = 0
+    for page in segments:
+        flat = page.reshape(-1).view(torch.uint8)
+        via[off:off + flat.numel()].copy_(flat)
+        off += flat.numel()
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> None:

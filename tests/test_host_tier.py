@@ -50,6 +50,13 @@ def save_all(svc: KvService, keys: list[bytes]) -> None:
     assert [f.result() for f in futs] == [SaveStatus.PUBLISHED] * len(keys)
 
 
+def flip(path: Path, at: int) -> None:
+    """Flip one bit of a chunk file's byte ``at`` (a payload byte: the chunk is then corrupt)."""
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
 def run_threads(target, n: int) -> None:
     threads = [threading.Thread(target=target, args=(t,)) for t in range(n)]
     for t in threads:
@@ -140,6 +147,37 @@ def test_the_tier_stays_consistent_under_many_threads():
     assert tier.used == PAGE * len(tier) <= 8 * PAGE
 
 
+def test_a_reserved_buffer_counts_as_used_until_committed_or_aborted():
+    tier = HostTier(300, pinned=False)
+    assert tier.put("old", b(100, 9)).taken
+    slot = tier.reserve("a", 250)  # makes room now: "old" goes
+    assert slot is not None and (slot.evicted, slot.evicted_bytes) == (1, 100) and tier.used == 250
+    assert "a" not in tier  # not served before its commit
+    slot.buf.fill_(7)
+    assert tier.commit(slot).taken and tier.used == 250
+    with tier.borrow("a", 250) as buf:
+        assert int(buf.sum()) == 7 * 250
+    assert tier.reserve("a", 250) is None  # held already
+    other = tier.reserve("c", 50)
+    tier.abort(other)
+    assert tier.used == 250 and "c" not in tier
+
+
+def test_a_commit_that_lost_a_race_gives_its_buffer_back():
+    tier = HostTier(1000, pinned=False)
+    slot = tier.reserve("k", 100)
+    assert tier.put("k", b(100, 1)).taken  # another thread's copy landed first
+    assert not tier.commit(slot).taken and tier.used == 100
+    with tier.borrow("k", 100) as buf:
+        assert int(buf[0]) == 1
+
+
+def test_the_tier_buffers_are_page_aligned_for_direct_reads():
+    tier = HostTier(8 << 20, pinned=False)
+    slots = [tier.reserve(i, 1 << 20) for i in range(3)]
+    assert all(s is not None and s.buf.data_ptr() % 4096 == 0 for s in slots)
+
+
 def test_host_bytes_is_validated_naming_the_setting(tmp_path):
     assert GdsKvConfig(host_bytes="64M").host_bytes == 64 << 20 and GdsKvConfig(host_bytes=0).host_bytes == 0
     for bad in ("lots", -1, 1.5, True):
@@ -180,6 +218,25 @@ def test_a_page_loaded_from_disk_is_served_from_memory_next_time(tmp_path):
     svc.close()
 
 
+def test_a_cold_load_is_read_into_its_tier_buffer_and_counted_once(tmp_path):
+    """With the tier on, a page read from disk is read into the buffer the tier keeps it in
+    (one copy into the page slot, not a second one into the tier): the entry holds exactly the
+    page, it is one fill, and a corrupt chunk leaves no entry and no room taken."""
+    keys = saved_elsewhere(tmp_path, 4)
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    flip(Path(svc.namespace.chunk_path(0, keys[3])), 5)
+    outs = [empty() for _ in range(4)]
+    got = [f.result() for f in svc.load_many(0, [(keys[i], outs[i]) for i in range(4)])]
+    assert got == [LoadStatus.LOADED] * 3 + [LoadStatus.CORRUPT]
+    assert all(same(outs[i], page(i)) for i in range(3))
+    c = svc.snapshot()
+    assert (c["host_fills"], c["host_fill_bytes"], len(svc.host), svc.host.used) == (3, 3 * PAGE, 3, 3 * PAGE)
+    for i in range(3):
+        with svc.host.borrow((svc.spec.tp_rank, 0, keys[i]), PAGE) as buf:
+            assert torch.equal(buf, torch.cat(page(i)))
+    svc.close()
+
+
 def test_host_bytes_zero_turns_the_tier_off(tmp_path):
     svc = KvService(cfg_at(tmp_path, host_bytes=0), spec())
     assert svc.host is None
@@ -217,10 +274,7 @@ def test_the_tier_is_bounded_by_bytes_and_counts_its_evictions(tmp_path):
 def test_a_corrupt_chunk_never_enters_the_tier_and_a_wrong_size_is_never_served(tmp_path):
     keys = saved_elsewhere(tmp_path, 2)
     svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
-    path = Path(svc.namespace.chunk_path(0, keys[0]))
-    raw = bytearray(path.read_bytes())
-    raw[3] ^= 0x01
-    path.write_bytes(bytes(raw))
+    flip(Path(svc.namespace.chunk_path(0, keys[0])), 3)
     assert svc.load(0, keys[0], empty()).result() is LoadStatus.CORRUPT
     assert svc.load(0, keys[0], empty()).result() is LoadStatus.MISSING  # quarantined, not in memory
     assert svc.snapshot()["host_fills"] == 0 and len(svc.host) == 0

@@ -202,3 +202,42 @@ def test_a_load_refreshes_the_mtime_and_leaves_a_lease_in_the_atime_alone(store_
     assert st.st_atime_ns == lease, "a load cut the lease short"
     assert st.st_mtime_ns >= leased_at, "a load did not refresh the chunk's recency"
     x.close()
+
+
+def test_a_load_through_a_via_buffer_fills_it_and_the_page_with_the_same_verified_bytes(store_path, io_path):
+    """``(key, segments, via)``: the chunk is read into ``via`` (aligned: O_DIRECT in place on the
+    native path) and the page's two segments get a copy; a corrupt chunk is a miss either way."""
+    from gdskv.io.posix import aligned_host_buffer
+
+    x = make(store_path)
+    src = pool(8, 5)
+    assert [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(8)])] == [SaveStatus.PUBLISHED] * 8
+    for i in range(8):  # cold: the O_DIRECT read applies on the native path
+        fd = os.open(x.ns.chunk_path(0, KEYS[i]), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    raw = bytearray(Path(x.ns.chunk_path(0, KEYS[7])).read_bytes())
+    raw[10] ^= 0x40
+    Path(x.ns.chunk_path(0, KEYS[7])).write_bytes(bytes(raw))
+    vias = torch.frombuffer(aligned_host_buffer(8 * PAGE), dtype=torch.uint8).view(8, PAGE)
+    vias.fill_(0xAA)
+    halves = [(torch.zeros(PAGE // 2, dtype=torch.uint8), torch.zeros(PAGE - PAGE // 2, dtype=torch.uint8)) for _ in range(8)]
+    got = [f.result() for f in x.load_pages(0, [(KEYS[i], list(halves[i]), vias[i]) for i in range(8)])]
+    assert got == [LoadStatus.LOADED] * 7 + [LoadStatus.CORRUPT]
+    for i in range(7):
+        assert torch.equal(vias[i], src[i]) and torch.equal(torch.cat(halves[i]), src[i])
+    x.close()
+
+
+def test_copy_out_pieces_must_add_up_to_the_payload(store_path):
+    if not batchio.available():
+        pytest.skip("the native batch path is not built in this environment")
+    x = make(store_path)
+    src = pool(1, 6)
+    x.save_pages(0, [(KEYS[0], None, [src[0]])])[0].result()
+    trailer = bytearray(128)
+    dst, out = torch.zeros(PAGE, dtype=torch.uint8), torch.zeros(PAGE - 1, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="add up"):
+        batchio.read_chunks(x.ns.store.fs.fd, [(x.ns.chunk_relpath(0, KEYS[0]), batchio.pieces_of([dst], trailer),
+                                                [(out.data_ptr(), PAGE - 1)])], False)
+    x.close()

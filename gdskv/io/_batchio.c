@@ -13,11 +13,14 @@
  * (missing, refused, corrupt, disk full) with its counters and log lines.
  *
  * read_chunks(root_fd, jobs, crc_fn, direct, threads) -> list[(err, crc)]
- *   jobs: [(relpath: bytes, pieces: [(address, length), ...]), ...]; the pieces lie end to end
- *   in the file from offset 0 and the last one is the chunk's trailer. err 0: every byte read,
- *   crc = CRC32C of all pieces but the last (crc_fn: the address of google-crc32c's
- *   crc32c_extend). On success the file's mtime is refreshed (eviction ranks by recency) and its
- *   atime left alone (a lookup's lease).
+ *   jobs: [(relpath: bytes, pieces: [(address, length), ...][, outs]), ...]; the pieces lie end
+ *   to end in the file from offset 0 and the last one is the chunk's trailer. err 0: every byte
+ *   read, crc = CRC32C of all pieces but the last (crc_fn: the address of google-crc32c's
+ *   crc32c_extend). outs (optional, the payload's length in all): where the payload is copied
+ *   too once read (the host tier reads a chunk into its own buffer and the page slot gets a
+ *   copy). The payload is walked once, in cache-sized steps, each checksummed and then copied
+ *   (out of staging, into outs) while in cache. On success the file's mtime is refreshed
+ *   (eviction ranks by recency) and its atime left alone (a lookup's lease).
  *   direct: read chunks not wholly in the page cache with O_DIRECT, aligned pieces in place and
  *   the rest through an aligned staging buffer.
  * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads) -> list[err]
@@ -59,6 +62,7 @@
 #define MAX_THREADS 64
 #define ERR_SHORT (-1)   /* the file ended before every byte was read */
 #define ERR_NOT_REGULAR (-2)
+#define STEP (64 * 1024)  /* bytes checksummed, then copied, while they are in the core's cache */
 #ifndef SYS_cachestat
 #define SYS_cachestat 451
 #endif
@@ -71,6 +75,8 @@ typedef struct {
     char *name;
     int npieces;
     struct iovec pieces[MAX_PIECES];
+    int nouts;        /* read: copy-out pieces of the payload, or 0 */
+    struct iovec outs[MAX_PIECES];
     int err;
     uint32_t crc;
 } job_t;
@@ -131,9 +137,10 @@ static int aligned(const struct iovec *v) {
     return ((uintptr_t)v->iov_base % ALIGN) == 0 && v->iov_len % ALIGN == 0 && v->iov_len > 0;
 }
 
-/* One O_DIRECT preadv of the chunk: the leading aligned pieces in place, the rest through
- * `staging` (at least the rest rounded up to ALIGN), then copied out. */
-static int read_direct(int fd, job_t *j, char *staging) {
+/* One O_DIRECT preadv of the chunk: the leading aligned payload pieces in place, the rest
+ * (always the trailer) into `staging` (at least the rest rounded up to ALIGN). `*staged`: the
+ * first piece that landed in staging; finish() copies those out. */
+static int read_direct(int fd, job_t *j, char *staging, int *staged) {
     struct iovec iov[MAX_PIECES + 1];
     int k = 0;
     while (k < j->npieces - 1 && aligned(&j->pieces[k])) {
@@ -141,19 +148,63 @@ static int read_direct(int fd, job_t *j, char *staging) {
         k++;
     }
     size_t want = total_len(j->pieces, j->npieces);
-    size_t head = total_len(j->pieces, k);
-    size_t rest = want - head;
+    size_t rest = want - total_len(j->pieces, k);
     iov[k].iov_base = staging;
     iov[k].iov_len = (rest + ALIGN - 1) / ALIGN * ALIGN;
     ssize_t got = move_all(fd, iov, k + 1, 0, 0);
     if (got < 0) return errno;
     if ((size_t)got < want) return ERR_SHORT;
-    size_t pos = 0;
-    for (int i = k; i < j->npieces; i++) {
-        memcpy(j->pieces[i].iov_base, staging + pos, j->pieces[i].iov_len);
-        pos += j->pieces[i].iov_len;
-    }
+    *staged = k;
     return 0;
+}
+
+/* Where a job's copy-out pieces stand while its payload is walked. */
+typedef struct {
+    struct iovec *v;
+    int n, i;
+    size_t off;
+} cursor_t;
+
+static void put_out(cursor_t *c, const char *src, size_t len) {
+    while (len && c->i < c->n) {
+        size_t room = c->v[c->i].iov_len - c->off;
+        size_t take = len < room ? len : room;
+        memcpy((char *)c->v[c->i].iov_base + c->off, src, take);
+        src += take;
+        len -= take;
+        c->off += take;
+        if (c->off == c->v[c->i].iov_len) {
+            c->i++;
+            c->off = 0;
+        }
+    }
+}
+
+/* After a whole read: the payload's CRC32C, walking it once in STEP-sized steps, each one
+ * checksummed and then, while in cache, copied where it belongs: out of `staging` into its piece
+ * (pieces from `staged` on were read there) and into the job's outs. The trailer is copied out
+ * of staging too. */
+static uint32_t finish(job_t *j, crc_fn_t crc, int staged, const char *staging) {
+    cursor_t out = {j->outs, j->nouts, 0, 0};
+    uint32_t c = 0;
+    size_t spos = 0;
+    for (int i = 0; i < j->npieces; i++) {
+        char *dst = j->pieces[i].iov_base;
+        size_t len = j->pieces[i].iov_len;
+        const char *src = i >= staged ? staging + spos : dst;
+        if (i >= staged) spos += len;
+        if (i == j->npieces - 1) {
+            if (src != dst) memcpy(dst, src, len);
+            break;
+        }
+        for (size_t at = 0; at < len; at += STEP) {
+            size_t n = len - at < STEP ? len - at : STEP;
+            c = crc(c, src + at, n);
+            if (src != dst) memcpy(dst + at, src + at, n);
+            if (j->nouts) put_out(&out, src + at, n);
+        }
+    }
+    return c;
 }
 
 static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging) {
@@ -163,6 +214,7 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
         return;
     }
     struct stat st;
+    int staged = j->npieces;
     if (fstat(fd, &st) != 0) {
         j->err = errno;
     } else if (!S_ISREG(st.st_mode)) {
@@ -170,15 +222,13 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
     } else {
         size_t want = total_len(j->pieces, j->npieces);
         if (direct && staging && !cached(fd, want) && fcntl(fd, F_SETFL, O_DIRECT) == 0) {
-            j->err = read_direct(fd, j, staging);
+            j->err = read_direct(fd, j, staging, &staged);
         } else {
             ssize_t got = move_all(fd, j->pieces, j->npieces, 0, 0);
             j->err = got < 0 ? errno : ((size_t)got < want ? ERR_SHORT : 0);
         }
         if (j->err == 0) {
-            uint32_t c = 0;
-            for (int i = 0; i < j->npieces - 1; i++) c = crc(c, j->pieces[i].iov_base, j->pieces[i].iov_len);
-            j->crc = c;
+            j->crc = finish(j, crc, staged, staging);
             /* recency: the mtime; the atime is left alone, it may hold a lookup's lease */
             struct timespec now[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
             futimens(fd, now);
@@ -360,7 +410,7 @@ static char *copy_bytes(PyObject *b) {
     return out;
 }
 
-static int parse_pieces(PyObject *seq, job_t *j) {
+static int parse_pieces(PyObject *seq, struct iovec *into, int *count) {
     PyObject *fast = PySequence_Fast(seq, "pieces must be a sequence");
     if (!fast) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -375,11 +425,21 @@ static int parse_pieces(PyObject *seq, job_t *j) {
             Py_DECREF(fast);
             return -1;
         }
-        j->pieces[i].iov_base = (void *)(uintptr_t)addr;
-        j->pieces[i].iov_len = (size_t)len;
+        into[i].iov_base = (void *)(uintptr_t)addr;
+        into[i].iov_len = (size_t)len;
     }
-    j->npieces = (int)n;
+    *count = (int)n;
     Py_DECREF(fast);
+    return 0;
+}
+
+/* A read job's copy-out pieces: exactly as many bytes as its payload (every piece but the last). */
+static int parse_outs(PyObject *seq, job_t *j) {
+    if (parse_pieces(seq, j->outs, &j->nouts) < 0) return -1;
+    if (total_len(j->outs, j->nouts) != total_len(j->pieces, j->npieces - 1)) {
+        PyErr_SetString(PyExc_ValueError, "copy-out pieces must add up to the payload");
+        return -1;
+    }
     return 0;
 }
 
@@ -404,10 +464,12 @@ static job_t *parse_jobs(PyObject *list, Py_ssize_t *count, int writes) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = PySequence_Fast_GET_ITEM(fast, i);
-        PyObject *path, *tmp = NULL, *name = NULL, *pieces;
-        int ok = writes ? PyArg_ParseTuple(t, "SSSO", &path, &tmp, &name, &pieces) : PyArg_ParseTuple(t, "SO", &path, &pieces);
+        PyObject *path, *tmp = NULL, *name = NULL, *pieces, *outs = NULL;
+        int ok = writes ? PyArg_ParseTuple(t, "SSSO", &path, &tmp, &name, &pieces)
+                        : PyArg_ParseTuple(t, "SO|O", &path, &pieces, &outs);
         if (!ok || !(jobs[i].path = copy_bytes(path)) || (writes && (!(jobs[i].tmp = copy_bytes(tmp)) ||
-            !(jobs[i].name = copy_bytes(name)))) || parse_pieces(pieces, &jobs[i]) < 0) {
+            !(jobs[i].name = copy_bytes(name)))) || parse_pieces(pieces, jobs[i].pieces, &jobs[i].npieces) < 0 ||
+            (outs && outs != Py_None && parse_outs(outs, &jobs[i]) < 0)) {
             free_jobs(jobs, n);
             Py_DECREF(fast);
             return NULL;

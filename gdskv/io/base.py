@@ -92,10 +92,10 @@ class IoEngine(abc.ABC):
         native call (``gdskv.io.batch``); the transfer layer asks before each batch."""
         return False
 
-    def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, Sequence[tuple[int, int]]]],
-                        threads: int = 1) -> list:
+    def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple], threads: int = 1) -> list:
         """Read and checksum whole chunk files beneath ``root_fd`` into host memory before
-        returning, ``threads`` of them at a time: one ``gdskv.io.batch.ReadResult`` per job.
+        returning, ``threads`` of them at a time: one ``gdskv.io.batch.ReadResult`` per job
+        (``(rel, pieces)`` or ``(rel, pieces, outs)``: see ``gdskv.io.batch.read_chunks``).
         Called by the transfer layer's threads with a slice of a step's pages, only where
         ``batches_chunks``."""
         raise NotImplementedError

@@ -62,21 +62,28 @@ def _note(errs: Sequence[int]) -> None:
         _working = False
 
 
-def staging_need(jobs: Sequence[tuple], threads: int) -> int:
-    """Bytes of aligned staging memory a call of ``jobs`` (pieces last in each) on ``threads``
-    native threads uses, one part per thread."""
-    return _batchio.staging_need([sum(n for _, n in job[-1]) for job in jobs], threads)
+def staging_need(chunk_sizes: Sequence[int], threads: int) -> int:
+    """Bytes of aligned staging memory a call moving chunks of these sizes (pieces and trailer)
+    on ``threads`` native threads uses, one part per thread."""
+    return _batchio.staging_need(list(chunk_sizes), threads)
 
 
-def read_chunks(root_fd: int, jobs: Sequence[tuple[str, Sequence[Piece]]], direct: bool, threads: int = 1,
+def chunk_sizes(jobs: Sequence[tuple], pieces_at: int) -> list[int]:
+    """The chunk size of each job, whose pieces are its item ``pieces_at``."""
+    return [sum(n for _, n in job[pieces_at]) for job in jobs]
+
+
+def read_chunks(root_fd: int, jobs: Sequence[tuple], direct: bool, threads: int = 1,
                 staging: Piece = (0, 0)) -> list[ReadResult]:
-    """Read each job's chunk (``rel``: its path from the store root) into its pieces and
-    checksum the payload, on ``threads`` native threads. ``direct``: chunks not wholly in the
-    page cache are read with O_DIRECT (aligned pieces in place, the rest staged in ``staging``,
-    ``(address, length)`` of ``staging_need`` aligned bytes, huge-page backed where possible).
-    Called by ``PosixEngine``."""
+    """Read each job's chunk (``(rel, pieces)``, ``rel`` its path from the store root, or
+    ``(rel, pieces, outs)``) into its pieces and checksum the payload, on ``threads`` native
+    threads; ``outs``, pieces of the payload's length in all, get a copy of the payload (made
+    step by step right after each step is checksummed, while in cache). ``direct``: chunks not
+    wholly in the page cache are read with O_DIRECT (aligned pieces in place, the rest staged in
+    ``staging``, ``(address, length)`` of ``staging_need`` aligned bytes, huge-page backed where
+    possible). Called by ``PosixEngine``."""
     out = [ReadResult(err, crc) for err, crc in
-           _batchio.read_chunks(root_fd, [(rel.encode(), pieces) for rel, pieces in jobs], _CRC, direct, threads,
+           _batchio.read_chunks(root_fd, [(job[0].encode(), *job[1:]) for job in jobs], _CRC, direct, threads,
                                 *staging)]
     _note([r.err for r in out])
     return out

@@ -90,11 +90,10 @@ class PosixEngine(IoEngine):
     def batches_chunks(self) -> bool:
         return batchio.available()
 
-    def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, Sequence[batchio.Piece]]],
-                        threads: int = 1) -> list[batchio.ReadResult]:
+    def read_chunks_now(self, root_fd: int, jobs: Sequence[tuple], threads: int = 1) -> list[batchio.ReadResult]:
         if not self.direct_reads:
             return batchio.read_chunks(root_fd, jobs, False, threads)
-        with self._batch_staging(jobs, threads) as staging:
+        with self._batch_staging(batchio.chunk_sizes(jobs, 1), threads) as staging:
             return batchio.read_chunks(root_fd, jobs, True, threads, staging)
 
     def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[batchio.Piece]]],
@@ -102,17 +101,17 @@ class PosixEngine(IoEngine):
         mode, chmod = self.file_mode, umask_may_strip(self.file_mode)
         if not self.o_direct:
             return batchio.write_chunks(root_fd, jobs, mode, chmod, self.fsync, False, threads)
-        with self._batch_staging(jobs, threads) as staging:
+        with self._batch_staging(batchio.chunk_sizes(jobs, 3), threads) as staging:
             return batchio.write_chunks(root_fd, jobs, mode, chmod, self.fsync, True, threads, staging)
 
     @contextlib.contextmanager
-    def _batch_staging(self, jobs: Sequence[tuple], threads: int) -> Iterator[batchio.Piece]:
-        """A staging buffer (huge pages, or pinned under CUDA) of what a native call of ``jobs``
-        on ``threads`` threads stages in, for the call: taken from this engine's pool of them and
+    def _batch_staging(self, chunk_sizes: Sequence[int], threads: int) -> Iterator[batchio.Piece]:
+        """A staging buffer (huge pages, or pinned under CUDA) of what a native call moving
+        chunks of these sizes on ``threads`` threads stages in, for the call: taken from this engine's pool of them and
         put back after, so buffers are reused across calls (no call faults in fresh memory, no
         O_DIRECT request is cut at 4 KiB pages) and there are only as many as calls ever ran at
         once, whichever threads made them."""
-        need = batchio.staging_need(jobs, threads)
+        need = batchio.staging_need(chunk_sizes, threads)
         try:
             buf = self._batch_buffers.get_nowait()
         except queue.Empty:
@@ -392,15 +391,15 @@ def move_all(op: Callable[[int, list[memoryview], int], int], fd: int, views: li
 HUGE_PAGE = 2 << 20
 
 
-def aligned_host_buffer(nbytes: int) -> memoryview:
-    """``nbytes`` of private anonymous host memory aligned to 2 MiB and advised to use
-    transparent huge pages, so that O_DIRECT accepts it and each request can span a whole chunk
-    (with 4 KiB pages a request stops at the queue's segment limit, 254 x 4 KiB on virtio).
-    Called for the staging buffers of CPU-only processes, by ``gdskv.bench.page_pool`` for the
-    benchmark's page pools and by the engine tests (torch's own CPU allocations are only 64-byte
-    aligned)."""
+def aligned_host_buffer(nbytes: int, huge_pages: bool = True) -> memoryview:
+    """``nbytes`` of private anonymous host memory aligned to 2 MiB and (``huge_pages``) advised
+    to use transparent huge pages, so that O_DIRECT accepts it and each request can span a whole
+    chunk (with 4 KiB pages a request stops at the queue's segment limit, 254 x 4 KiB on virtio).
+    Called for the staging buffers of CPU-only processes, for the host tier's slabs (without
+    huge pages: see ``gdskv.hostmem``), by ``gdskv.bench.page_pool`` for the benchmark's page
+    pools and by the engine tests (torch's own CPU allocations are only 64-byte aligned)."""
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
     return memoryview(region)[start:start + nbytes]
