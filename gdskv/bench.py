@@ -16,6 +16,9 @@ Subjects, all moving pages of the same size and count between a page pool and on
   (``posix+o_direct`` is the default config) and per page pool: ``torch`` (plain ``torch.empty``
   CPU tensors, what engines hand over), ``hugepage`` (2 MiB-aligned host memory advised to use
   huge pages), ``pinned`` and ``cuda`` (where CUDA exists);
+- ``service:host-tier@<pool>``: the store as a serving process runs it, through ``KvService`` with
+  the default config (host tier on): saves write through into the tier, cold and warm loads read
+  the disk through the tier's buffers, and a hot load is served by the tier;
 - ``peer:vllm-fs-tier`` and ``peer:lmcache-disk``: vLLM's file-system offload tier and LMCache's
   local-disk backend, each driven in its own virtualenv (``gdskv.peers``), left out with the
   reason where that cannot be had.
@@ -24,7 +27,8 @@ Each subject saves (timed until the bytes are durable: ``syncfs`` of the directo
 for every subject alike), loads cold (page cache of its files dropped with
 ``posix_fadvise(DONTNEED)``) and loads warm (its files read once through the page cache first:
 a subject that reads the cache when the bytes are there shows it). ``load_hot`` (a host-memory
-tier) is measured for subjects that have one (``supports_hot``; none does yet). Subjects are
+tier) is measured for subjects that have one (``supports_hot``: the service subject). Every timed
+load goes into cleared pages and is checked after. Subjects are
 interleaved within a round and the order rotates between rounds; each figure is the median over
 rounds, because disks drift by tens of percent from one run to the next (and more on a machine
 shared with other work).
@@ -48,6 +52,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from gdskv.config import GdsKvConfig, parse_size
+from gdskv.hosttier import tier_bytes
 from gdskv.io import make_engine
 from gdskv.io.base import IoEngine, Segment
 from gdskv.io.posix import PosixEngine, aligned_host_buffer, move_all
@@ -78,6 +83,8 @@ class BenchOptions:
     kvikio_threads: int = 4
     kvikio_task_size: int = 4 << 20
     baselines: bool = True
+    service: bool = True
+    """Also measure ``ServiceSubject`` (the default config through ``KvService``, host tier on)."""
 
 
 class _Subject:
@@ -88,8 +95,7 @@ class _Subject:
     pool: str = "hugepage"
     """The page pool ``measure`` hands this subject (``POOLS``); raw I/O needs aligned memory."""
     supports_hot = False
-    """True for subjects with a host-memory tier: then ``load_hot`` is measured. The hook for the
-    store's host tier (``host_bytes``): a subject over ``KvService`` that sets this."""
+    """True for subjects with a host-memory tier (``ServiceSubject``): then ``load_hot`` is measured."""
 
     def prepare(self, workdir: Path, num_pages: int, page_bytes: int) -> None:
         self.workdir = workdir
@@ -107,6 +113,10 @@ class _Subject:
     def load_hot(self, pages: torch.Tensor) -> None:
         """A load right after a load, served from host memory (``supports_hot`` subjects)."""
         self.load(pages)
+
+    def forget_hot(self) -> None:
+        """Before the cold and the warm load: host memory forgets the pages (``supports_hot``
+        subjects), so those loads read the disk."""
 
     def save(self, pages: torch.Tensor) -> None:
         raise NotImplementedError
@@ -256,15 +266,11 @@ class StoreSubject(_Subject):
 
     def save(self, pages: torch.Tensor) -> None:
         futures = self.transfer.save_pages(0, [(key, None, [pages[i]]) for i, key in enumerate(self.keys)])
-        bad = [status for status in (f.result() for f in futures) if status is not SaveStatus.PUBLISHED]
-        if bad:
-            raise RuntimeError(f"{self.name}: {len(bad)} pages not published ({bad[0]})")
+        _expect(self.name, futures, SaveStatus.PUBLISHED, "published")
 
     def load(self, pages: torch.Tensor) -> None:
         futures = self.transfer.load_pages(0, [(key, [pages[i]]) for i, key in enumerate(self.keys)])
-        bad = [status for status in (f.result() for f in futures) if status is not LoadStatus.LOADED]
-        if bad:
-            raise RuntimeError(f"{self.name}: {len(bad)} pages not loaded ({bad[0]})")
+        _expect(self.name, futures, LoadStatus.LOADED, "loaded")
 
     def files(self) -> list[str]:
         return [self.ns.chunk_path(0, key) for key in self.keys]
@@ -274,6 +280,74 @@ class StoreSubject(_Subject):
 
     def close(self) -> None:
         self.engine.close()
+
+
+class ServiceSubject(_Subject):
+    """The store as a serving process runs it: ``KvService`` (what every connector holds) with
+    the default config (``o_direct = "all"``, the host tier on), one fresh service and store per
+    round. Saves are write-through into the host tier; the cold and the warm load read the disk
+    (the tier forgot the pages first) into the tier's own buffers, the pages getting a copy; the
+    hot load is served by the tier. The tier's memory is touched in ``prepare``, as a serving
+    process's has been long before (first-touch faults are not any load's cost)."""
+
+    supports_hot = True
+
+    def __init__(self, options: BenchOptions, pool: str = "torch"):
+        self.name = f"service:host-tier@{pool}"
+        self.pool = pool
+        self.io_threads = options.io_threads
+
+    def prepare(self, workdir: Path, num_pages: int, page_bytes: int) -> None:
+        from gdskv.service import KvService  # the service imports more than the other subjects need
+
+        super().prepare(workdir, num_pages, page_bytes)
+        spec = NamespaceSpec(model="gdskv-bench", dtype="uint8", tokens_per_block=1,
+                             groups=(GroupSpec(0, page_bytes, (0,), None),))
+        need = num_pages * page_bytes
+        cfg = GdsKvConfig(store_path=str(workdir / "store"), io_threads=self.io_threads, stats_flush_seconds=3600.0,
+                          host_bytes=None if tier_bytes(None) >= need else need)
+        self.svc = KvService(cfg, spec)
+        self.keys = [os.urandom(32) for _ in range(num_pages)]
+        for key in self.keys:  # as StoreSubject: a store in service has its chunk directories
+            os.makedirs(os.path.dirname(self.svc.namespace.chunk_path(0, key)), exist_ok=True)
+        slots = [self.svc.host.reserve(("warm-up", i), page_bytes) for i in range(num_pages)]
+        for slot in filter(None, slots):
+            slot.buf.zero_()
+            self.svc.host.abort(slot)
+
+    def _entries(self) -> list[tuple[int, int, bytes]]:
+        return [(self.svc.spec.tp_rank, 0, key) for key in self.keys]
+
+    def save(self, pages: torch.Tensor) -> None:
+        futures = self.svc.save_many(0, [(key, None, [pages[i]]) for i, key in enumerate(self.keys)])
+        _expect(self.name, futures, SaveStatus.PUBLISHED, "published")
+
+    def load(self, pages: torch.Tensor) -> None:
+        futures = self.svc.load_many(0, [(key, [pages[i]]) for i, key in enumerate(self.keys)])
+        _expect(self.name, futures, LoadStatus.LOADED, "loaded")
+
+    def load_hot(self, pages: torch.Tensor) -> None:
+        before = self.svc.snapshot()["host_hits"]
+        self.load(pages)
+        if self.svc.snapshot()["host_hits"] - before != len(self.keys):
+            raise RuntimeError(f"{self.name}: the hot load was not served from the host tier")
+
+    def forget_hot(self) -> None:
+        for entry in self._entries():
+            self.svc.host.discard(entry)
+
+    def files(self) -> list[str]:
+        return [self.svc.namespace.chunk_path(0, key) for key in self.keys]
+
+    def end_round(self) -> None:
+        self.svc.close()
+
+
+def _expect(name: str, futures: Sequence[Future], wanted: Any, what: str) -> None:
+    """Wait for a subject's page futures; raise unless every one came back ``wanted``."""
+    bad = [status for status in (f.result() for f in futures) if status is not wanted]
+    if bad:
+        raise RuntimeError(f"{name}: {len(bad)} pages not {what} ({bad[0]})")
 
 
 def bench_engine(label: str, options: BenchOptions, store_path: str) -> IoEngine:
@@ -432,16 +506,23 @@ def measure(subject: _Subject, source: torch.Tensor, target: torch.Tensor, base:
         sync_directory_fs(workdir)  # earlier dirty pages are not this save's cost
         secs = {"save": _timed(lambda: (subject.save(source), sync_directory_fs(workdir)))}
         files = subject.files()
+        hot = getattr(subject, "supports_hot", False)
         drop_page_cache(files)
+        if hot:
+            subject.forget_hot()
         subject.clear(target)
         secs["load_cold"] = _timed(lambda: subject.load(target))
         subject.check(source, target)
         fill_page_cache(files)
+        if hot:
+            subject.forget_hot()
         subject.clear(target)
         secs["load_warm"] = _timed(lambda: subject.load(target))
         subject.check(source, target)
-        if subject.supports_hot:
+        if hot:
+            subject.clear(target)
             secs["load_hot"] = _timed(lambda: subject.load_hot(target))
+            subject.check(source, target)
         return secs
     finally:
         subject.end_round()
@@ -514,6 +595,8 @@ def _subjects(options: BenchOptions, base: Path, report: dict[str, Any], log: Ca
                 subjects.append(StoreSubject(label, bench_engine(label, options, str(base)), options.transfer_threads, pool))
             else:
                 report["skipped"][f"store:{label}"] = why
+        if options.service:
+            subjects.append(ServiceSubject(options, pool))
     for key in options.peers:
         try:
             subjects.append(PeerSubject(key, log))
@@ -561,8 +644,10 @@ def _add_ratios(report: dict[str, Any], page_bytes: int) -> None:
     raws = [row for name, row in rows.items() if name.startswith("raw")]
     ceiling, vllm = rows.get("ceiling"), rows.get("peer:vllm-fs-tier")
     for name, row in rows.items():
-        if not name.startswith("store:"):
+        if not name.startswith(("store:", "service:")):
             continue
+        if row.get("load_hot_gbps"):
+            row["hot_vs_cold"] = row["load_hot_gbps"] / row["load_cold_gbps"]
         met = []
         if raws:
             row["vs_raw"] = {k: row[f"{k}_gbps"] / max(r[f"{k}_gbps"] for r in raws) for k in KINDS}
@@ -580,7 +665,7 @@ def _add_ratios(report: dict[str, Any], page_bytes: int) -> None:
 def format_report(report: dict[str, Any]) -> str:
     """The report as a table: GB/s per subject and page size, then the store's ratios."""
     lines = [f"{'page':>5} {'subject':<30} {'save':>6} {'cold':>6} {'warm':>6} {'hot':>6}   "
-             f"{'cold/ceil':>9} {'cold/vllm':>9} {'save/raw':>8} {'warm/raw':>8}  target"]
+             f"{'cold/ceil':>9} {'cold/vllm':>9} {'save/raw':>8} {'warm/raw':>8} {'hot/cold':>8}  target"]
 
     def fmt(v: Any, spec: str = ".2f") -> str:
         return "-" if v is None else format(v, spec)
@@ -591,7 +676,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(
             f"{_size(row['page_bytes']):>5} {row['subject']:<30} {row['save_gbps']:>6.2f} {row['load_cold_gbps']:>6.2f} "
             f"{row['load_warm_gbps']:>6.2f} {fmt(row.get('load_hot_gbps')):>6}   {fmt(row.get('vs_ceiling')):>9} "
-            f"{fmt(row.get('vs_vllm')):>9} {fmt(raw.get('save')):>8} {fmt(raw.get('load_warm')):>8}  "
+            f"{fmt(row.get('vs_vllm')):>9} {fmt(raw.get('save')):>8} {fmt(raw.get('load_warm')):>8} "
+            f"{fmt(row.get('hot_vs_cold')):>8}  "
             f"{'' if met is None else ('met' if met else 'MISSED')}")
     for what, why in report["skipped"].items():
         lines.append(f"{what} left out: {why}")
@@ -633,6 +719,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool
     parser.add_argument("--kvikio-threads", type=int, default=4)
     parser.add_argument("--kvikio-task-size", default="4M")
     parser.add_argument("--no-baselines", action="store_true", help="measure the store only")
+    parser.add_argument("--no-service", action="store_true",
+                        help="leave out the service subject (the default config through KvService, host tier on)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -647,7 +735,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool
         rounds=args.rounds, engines=tuple(e for e in args.engines.split(",") if e),
         io_threads=args.io_threads, transfer_threads=args.transfer_threads,
         kvikio_threads=args.kvikio_threads, kvikio_task_size=parse_size(args.kvikio_task_size),
-        baselines=not args.no_baselines,
+        baselines=not args.no_baselines, service=not args.no_service,
     )
     return options, args.json
 

@@ -34,6 +34,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 
 from gdskv.hostmem import SlabPool
+from gdskv.io import batch as batchio
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +302,29 @@ def scatter(src: torch.Tensor, segments: Sequence[torch.Tensor]) -> None:
     """Copy the flat host buffer ``src`` into ``segments`` one after another; returns once every
     byte is there (device copies included). ``ValueError`` when the sizes do not add up."""
     _move(src, segments, into_segments=True)
+
+
+def scatter_many(pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], threads: int) -> None:
+    """``scatter`` of several entries into plain host memory in one native call on ``threads``
+    threads without the GIL (``gdskv.io.batch.copy_many``), or one by one where the extension is
+    not built. ``ValueError`` when a page's sizes do not add up or a segment is not contiguous
+    host memory (nothing copied then)."""
+    if not batchio.available():
+        for buf, segments in pairs:
+            scatter(buf, segments)
+        return
+    copies = []
+    for buf, segments in pairs:
+        if not all(s.device.type == "cpu" and s.is_contiguous() for s in segments):
+            raise ValueError("scatter_many copies into contiguous host memory only")
+        sizes = [s.numel() * s.element_size() for s in segments]
+        if sum(sizes) != buf.numel():
+            raise ValueError(f"page segments of {sum(sizes)} bytes for a buffer of {buf.numel()}")
+        src = buf.data_ptr()
+        for s, n in zip(segments, sizes):
+            copies.append((s.data_ptr(), src, n))
+            src += n
+    batchio.copy_many(copies, threads)
 
 
 def _move(buf: torch.Tensor, segments: Sequence[torch.Tensor], into_segments: bool) -> None:

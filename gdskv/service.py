@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -44,7 +45,8 @@ from typing import Any, Callable, Optional, Sequence
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import install_budget
 from gdskv.garbage import collect_in_background
-from gdskv.hosttier import HostTier, Put, Reserved, TierConfigError, payload_nbytes, scatter, tier_bytes
+from gdskv.hosttier import (Borrowed, HostTier, Put, Reserved, TierConfigError, payload_nbytes, scatter, scatter_many,
+                             tier_bytes)
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
 from gdskv.metrics import ServiceMetrics, attach, engine_of
@@ -58,9 +60,12 @@ log = logging.getLogger(__name__)
 LEASE_SECONDS = 30.0
 """How long a lookup's served chunks are leased against eviction (in any process), so the load
 that follows finds them."""
+HIT_COPY_THREADS = min(4, os.cpu_count() or 1)
+"""Threads one call copying a step's host-tier hits into plain host memory runs on: one core's
+memcpy is far from a socket's memory bandwidth."""
 HOST_COPY_THREADS = 2
 """Threads that copy host-tier hits into pages that must first wait for the engine's stream, or
-that live in device memory (a hit into plain host memory is copied on the caller's thread)."""
+that live in device memory (hits into plain host memory are copied on the caller's thread)."""
 LINEAGE_CAPACITY = 1 << 16
 """How many ``block -> parent`` links ``KvService.lineage`` remembers."""
 
@@ -348,15 +353,23 @@ class KvService:
         nbytes = self.bytes_per_page(group)
         out: list[Optional[Future]] = [None] * len(items)
         disk: list[tuple[int, bytes, list[Any], Optional[Reserved]]] = []
+        now: list[tuple[int, bytes, Borrowed, list[Any]]] = []
         for i, (key, segments) in enumerate(items):
             segments = list(segments)
             slot = None
             if self.host is not None:
-                out[i] = self._load_from_host(rank, group, key, segments, ready, nbytes, t0)
-                if out[i] is not None:
+                lent = self._borrow(rank, group, key, segments)
+                if lent is not None and ready is None and all(s.device.type == "cpu" for s in segments):
+                    now.append((i, key, lent, segments))
+                    continue
+                if lent is not None:
+                    out[i] = self._hit_later(rank, lent, segments, ready, nbytes, t0)
                     continue
                 slot = self._reserve(rank, group, key, segments)
             disk.append((i, key, segments, slot))
+        if now:
+            for i, key, segments in self._hits_now(rank, now, out, nbytes, t0):
+                disk.append((i, key, segments, None))
         if not disk:
             return out
         with self._lock:
@@ -412,20 +425,60 @@ class KvService:
         transfer.save_pages(group, items, ready=ready, on_posted=count)
         return out
 
-    def _load_from_host(self, rank: int, group: int, key: bytes, segments: list[Any], ready: Optional[Any],
-                        nbytes: int, t0: float) -> Optional[Future]:
-        """A load served from the host tier, or None (a miss: the caller reads the disk). Only an
-        entry of exactly the segments' size is served. Into plain host memory with nothing to wait
-        for, the copy runs here and the future comes back done (a hand-off, or a second future,
-        would cost more than the copy); otherwise on a copy thread, after ``ready``, and the future
-        resolves once the bytes are in the page."""
+    def _borrow(self, rank: int, group: int, key: bytes, segments: list[Any]) -> Optional[Borrowed]:
+        """The host tier's entry for a page (only one of exactly the segments' size), lent until
+        released; None is a miss, counted (the caller reads the disk)."""
         size = payload_nbytes(segments)
         lent = self.host.borrow((rank, group, key), size) if size is not None else None
-        shared = self.namespaces[rank].counters
         if lent is None:
             self._count(host_misses=1)
-            shared.add("host_misses")
-            return None
+            self.namespaces[rank].counters.add("host_misses")
+        return lent
+
+    def _hits_now(self, rank: int, hits: list[tuple[int, bytes, Borrowed, list[Any]]], out: list[Optional[Future]],
+                  nbytes: int, t0: float) -> list[tuple[int, bytes, list[Any]]]:
+        """Host-tier hits into plain host memory with nothing to wait for, copied here, all at once
+        (``scatter_many``: one native call on ``HIT_COPY_THREADS`` threads); their futures come
+        back done (a hand-off would cost more than the copy). Returns the pages whose copy
+        failed, for the disk."""
+        failed: list[tuple[int, bytes, list[Any]]] = []
+        try:
+            scatter_many([(lent.buf, segments) for _, _, lent, segments in hits], HIT_COPY_THREADS)
+        except Exception:  # page by page instead, each failure read from the disk
+            kept = []
+            for hit in hits:
+                try:
+                    scatter(hit[2].buf, hit[3])
+                    kept.append(hit)
+                except Exception as e:
+                    log.warning("gdskv: a host-tier hit could not be copied into its page: %s", e)
+                    failed.append((hit[0], hit[1], hit[3]))
+                    hit[2].release()
+            hits = kept
+        for i, _, lent, _ in hits:
+            lent.release()
+            out[i] = done = Future()
+            done.set_result(LoadStatus.LOADED)
+        k = len(hits)
+        if k:
+            size = hits[0][2].buf.numel()
+            self._count(loads_posted=k, loads_loaded=k, bytes_loaded=k * nbytes, host_hits=k, host_hit_bytes=k * size)
+            shared = self.namespaces[rank].counters
+            shared.add("host_hits", k)
+            shared.add("host_hit_bytes", k * size)
+            if self.metrics is not None:
+                took = time.perf_counter() - t0
+                for _ in range(k):
+                    self.metrics.observe("load", self.namespaces[rank], took)
+        return failed
+
+    def _hit_later(self, rank: int, lent: Borrowed, segments: list[Any], ready: Optional[Any], nbytes: int,
+                   t0: float) -> Future:
+        """A host-tier hit copied on a copy thread, after ``ready``: into device memory, or into
+        pages the engine's stream may still be using. The future resolves once the bytes are in
+        the page."""
+        size = lent.buf.numel()
+        shared = self.namespaces[rank].counters
         hit = {"host_hits": 1, "host_hit_bytes": size}
 
         def copy() -> LoadStatus:
@@ -437,18 +490,6 @@ class KvService:
             shared.add("host_hit_bytes", size)
             return LoadStatus.LOADED
 
-        if ready is None and all(s.device.type == "cpu" for s in segments):
-            try:
-                status = copy()
-            except Exception as e:  # never into the serving loop: read the disk instead
-                log.warning("gdskv: a host-tier hit could not be copied into its page: %s", e)
-                return None
-            done: Future = Future()
-            done.set_result(status)
-            self._count(loads_posted=1, loads_loaded=1, bytes_loaded=nbytes, **hit)
-            if self.metrics is not None:
-                self.metrics.observe("load", self.namespaces[rank], time.perf_counter() - t0)
-            return done
         self._posted(loads_posted=1)
         try:
             fut = self._host_copies.submit(copy)

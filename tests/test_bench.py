@@ -44,7 +44,7 @@ def test_a_peer_without_its_virtualenv_is_left_out_with_the_reason(tmp_path: Pat
     report = run(BenchOptions(directory=str(tmp_path), total_bytes=256 << 10, page_sizes=(64 << 10,), rounds=1,
                               engines=("posix+o_direct",), peers=("vllm",), baselines=False))
     assert "no usable virtualenv" in report["skipped"]["peer vllm"]
-    assert [r["subject"] for r in report["results"]] == ["store:posix+o_direct@torch"]
+    assert [r["subject"] for r in report["results"]] == ["store:posix+o_direct@torch", "service:host-tier@torch"]
     assert "peer vllm left out" in format_report(report)
 
 
@@ -146,9 +146,35 @@ def test_a_peer_whose_driver_dies_is_left_out_and_the_run_goes_on(tmp_path: Path
         "serve(Dying, 'dying')\n")
     monkeypatch.setitem(gdskv.peers.PEERS, "toy", gdskv.peers.Peer("toy", str(script), "venv-toy", "import json", None))
     report = run(BenchOptions(directory=str(tmp_path), total_bytes=256 << 10, page_sizes=(64 << 10, 128 << 10), rounds=2,
-                              engines=("posix+o_direct",), peers=("toy",), baselines=False))
+                              engines=("posix+o_direct",), peers=("toy",), baselines=False, service=False))
     [why] = [v for k, v in report["skipped"].items() if k.startswith("peer:toy")]
     assert "status 9" in why and "out of memory" in why
     assert {(r["subject"], r["page_bytes"]) for r in report["results"]} == {
         ("store:posix+o_direct@torch", 64 << 10), ("store:posix+o_direct@torch", 128 << 10)}
     assert "out of memory" in format_report(report)
+
+
+def test_the_service_subject_reads_cold_and_warm_from_disk_and_hot_from_the_host_tier(tmp_path: Path, monkeypatch) -> None:
+    """``ServiceSubject`` through a real ``KvService``: the cold and warm loads read every page from
+    the disk (the tier forgot them), the hot one from the tier (checked by its counters inside
+    ``load_hot``), each into cleared pages checked after; the report carries hot/cold."""
+    from gdskv.bench import BenchOptions, ServiceSubject, format_report, run
+
+    subject = ServiceSubject(BenchOptions(), "torch")
+    source = torch.randint(0, 256, (16, 8192), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    reads: list[int] = []
+    real_end = ServiceSubject.end_round
+
+    def end_round(self) -> None:
+        reads.append(self.svc.namespace.counters["loads_hit"])
+        real_end(self)
+
+    monkeypatch.setattr(ServiceSubject, "end_round", end_round)
+    secs = measure(subject, source, torch.empty_like(source), tmp_path)
+    assert set(secs) == {"save", "load_cold", "load_warm", "load_hot"}
+    assert reads == [32]  # 16 cold + 16 warm pages from the disk, none of the hot ones
+    report = run(BenchOptions(directory=str(tmp_path), total_bytes=256 << 10, page_sizes=(64 << 10,), rounds=1,
+                              engines=(), peers=(), baselines=False))
+    [row] = report["results"]
+    assert row["subject"] == "service:host-tier@torch" and row["hot_vs_cold"] > 0
+    assert "hot/cold" in format_report(report)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gdskv.config import ConfigError, GdsKvConfig
-from gdskv.hosttier import DEFAULT_HOST_BYTES, HostTier, gather, payload_nbytes, physical_memory, scatter, tier_bytes
+from gdskv.hosttier import (DEFAULT_HOST_BYTES, HostTier, gather, payload_nbytes, physical_memory, scatter, scatter_many,
+                             tier_bytes)
 from gdskv.service import KvService, ServiceSetupError
 from gdskv.store import GroupSpec, NamespaceSpec
 from gdskv.transfer import LoadStatus, SaveStatus
@@ -127,6 +128,18 @@ def test_copy_helpers_check_sizes_and_round_trip():
     assert payload_nbytes(segs) == PAGE and payload_nbytes([strided]) is None
 
 
+def test_scatter_many_copies_every_entry_into_its_pages_or_refuses_before_copying():
+    bufs = [torch.full((PAGE,), i, dtype=torch.uint8) for i in range(6)]
+    pages = [empty() for _ in range(6)]
+    scatter_many(list(zip(bufs, pages)), threads=3)
+    assert all(torch.equal(torch.cat(pages[i]), bufs[i]) for i in range(6))
+    short = [torch.zeros(PAGE // 2, dtype=torch.uint8), torch.zeros(PAGE // 2 - 1, dtype=torch.uint8)]
+    fresh = empty()
+    with pytest.raises(ValueError):
+        scatter_many([(bufs[1], fresh), (bufs[2], short)], threads=2)
+    assert all(int(t.sum()) == 0 for t in fresh)  # refused before any copy
+
+
 def test_the_tier_stays_consistent_under_many_threads():
     tier = HostTier(8 * PAGE, pinned=False)
     errors: list[str] = []
@@ -201,6 +214,21 @@ def test_a_saved_page_is_served_from_host_memory(tmp_path):
     c, disk = svc.snapshot(), svc.namespace.counters.snapshot()
     assert (c["host_hits"], c["host_hit_bytes"], c["host_fills"], c["loads_loaded"], c["bytes_loaded"]) == (1, PAGE, 2, 1, PAGE)
     assert disk.get("loads_hit", 0) == 0 and disk["host_hits"] == 1  # the disk was not read
+    svc.close()
+
+
+def test_a_steps_hits_are_copied_at_once_and_counted_once_each(tmp_path):
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:8])
+    outs = [empty() for _ in range(8)]
+    futures = svc.load_many(0, [(keys[i], outs[i]) for i in range(8)])
+    assert all(f.done() for f in futures)  # served on the caller's thread, no hand-off
+    assert [f.result() for f in futures] == [LoadStatus.LOADED] * 8
+    assert all(same(outs[i], page(i)) for i in range(8))
+    c = svc.snapshot()
+    assert (c["host_hits"], c["host_hit_bytes"], c["loads_loaded"], c["bytes_loaded"]) == (8, 8 * PAGE, 8, 8 * PAGE)
+    assert svc.namespace.counters["host_hits"] == 8 and svc.namespace.counters["loads_hit"] == 0
     svc.close()
 
 

@@ -36,6 +36,8 @@
  *   a lookup's presence checks and leases (gdskv.store.Namespace.contains_many / lease_many),
  *   one call per lookup, each path resolved beneath the root without following a link; a long
  *   lookup runs on up to PATH_THREADS threads (one per PATHS_PER_THREAD paths).
+ * copy_many(copies, threads): host-memory copies [(dst, src, length), ...] in 1 MiB pieces on
+ *   that many threads, the GIL released (host-tier hits into plain host memory).
  * staging, staging_len (the last two arguments of both): the caller's aligned memory for those
  *   buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an O_DIRECT request
  *   into 4 KiB pages is cut at the queue's segment limit (254 pages on the disks measured), one
@@ -379,18 +381,23 @@ static int threads_for(int threads, Py_ssize_t n) {
     return threads < 1 ? 1 : threads;
 }
 
+/* fn(arg) on `threads` threads (this one included, at most MAX_THREADS), each taking work
+ * from `arg` until none is left; called with the GIL released. */
+static void run_on(void *(*fn)(void *), void *arg, int threads) {
+    pthread_t tids[MAX_THREADS];
+    int started = 0;
+    for (int t = 1; t < threads && t < MAX_THREADS; t++) {
+        if (pthread_create(&tids[started], NULL, fn, arg) != 0) break;  /* fewer threads, same work */
+        started++;
+    }
+    fn(arg);
+    for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+}
+
 /* Runs the batch on `threads` threads (this one included); called with the GIL released. */
 static void run_threads(batch_t *b, int threads) {
     b->staging_bytes = staging_per_thread(b->jobs, b->n);
-    threads = threads_for(threads, b->n);
-    pthread_t tids[MAX_THREADS];
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[started], NULL, run_batch, b) != 0) break;  /* fewer threads, same work */
-        started++;
-    }
-    run_batch(b);
-    for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    run_on(run_batch, b, threads_for(threads, b->n));
 }
 
 static char *copy_bytes(PyObject *b) {
@@ -628,14 +635,7 @@ static PyObject *each_path(int root, PyObject *list, path_fn fn, const void *ctx
         int threads = (int)(n / PATHS_PER_THREAD);
         if (threads > PATH_THREADS) threads = PATH_THREADS;
         Py_BEGIN_ALLOW_THREADS
-        pthread_t tids[PATH_THREADS];
-        int started = 0;
-        for (int t = 1; t < threads; t++) {
-            if (pthread_create(&tids[started], NULL, run_paths, &p) != 0) break;  /* fewer threads, same work */
-            started++;
-        }
-        run_paths(&p);
-        for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+        run_on(run_paths, &p, threads);
         Py_END_ALLOW_THREADS
         out = answers(ok, n);
     }
@@ -689,6 +689,70 @@ static PyObject *lease_chunks(PyObject *self, PyObject *args) {
     return each_path(root, list, lease_one, &l);
 }
 
+/* copy_many: host-memory copies (dst, src, len) spread over threads in COPY_PIECE-sized pieces. */
+#define COPY_PIECE (1 << 20)
+typedef struct {
+    char *dst;
+    const char *src;
+    size_t n;
+} copy_t;
+
+typedef struct {
+    copy_t *items;
+    Py_ssize_t n;
+    Py_ssize_t next;  /* taken with __atomic_fetch_add */
+} copies_t;
+
+static void *run_copies(void *arg) {
+    copies_t *c = arg;
+    for (;;) {
+        Py_ssize_t i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED);
+        if (i >= c->n) break;
+        memcpy(c->items[i].dst, c->items[i].src, c->items[i].n);
+    }
+    return NULL;
+}
+
+static PyObject *copy_many(PyObject *self, PyObject *args) {
+    PyObject *list;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Oi", &list, &threads)) return NULL;
+    PyObject *fast = PySequence_Fast(list, "copies must be a sequence");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), pieces = 0;
+    unsigned long long (*spec)[3] = calloc(n ? n : 1, sizeof *spec);
+    if (!spec) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KKK", &spec[i][0], &spec[i][1], &spec[i][2])) {
+            free(spec);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        pieces += (Py_ssize_t)((spec[i][2] + COPY_PIECE - 1) / COPY_PIECE);
+    }
+    Py_DECREF(fast);
+    copies_t c = {calloc(pieces ? pieces : 1, sizeof(copy_t)), 0, 0};
+    if (!c.items) {
+        free(spec);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (size_t at = 0; at < spec[i][2]; at += COPY_PIECE) {
+            size_t len = spec[i][2] - at < COPY_PIECE ? spec[i][2] - at : COPY_PIECE;
+            c.items[c.n++] = (copy_t){(char *)(uintptr_t)spec[i][0] + at, (const char *)(uintptr_t)spec[i][1] + at, len};
+        }
+    }
+    free(spec);
+    Py_BEGIN_ALLOW_THREADS
+    run_on(run_copies, &c, threads_for(threads, c.n));
+    Py_END_ALLOW_THREADS
+    free(c.items);
+    Py_RETURN_NONE;
+}
+
 static PyObject *staging_need(PyObject *self, PyObject *args) {
     PyObject *list;
     int threads;
@@ -712,6 +776,7 @@ static PyObject *staging_need(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"stat_chunks", stat_chunks, METH_VARARGS, "Whether each path beneath the root is a regular file of the size."},
     {"lease_chunks", lease_chunks, METH_VARARGS, "Set times of each path beneath the root (see the module source)."},
+    {"copy_many", copy_many, METH_VARARGS, "Host-memory copies (dst, src, length) on this many threads."},
     {"staging_need", staging_need, METH_VARARGS, "Staging bytes a call of chunks of these sizes needs on this many threads."},
     {"read_chunks", read_chunks, METH_VARARGS, "Read and checksum a batch of chunk files (see the module source)."},
     {"write_chunks", write_chunks, METH_VARARGS, "Write and publish a batch of chunk files (see the module source)."},

@@ -103,6 +103,13 @@ def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piec
     return errs
 
 
+def copy_many(copies: Sequence[tuple[int, int, int]], threads: int) -> None:
+    """Host-memory copies ``(dst, src, length)`` (addresses of memory the caller keeps alive), in
+    1 MiB pieces on ``threads`` native threads without the GIL. Called by
+    ``KvService.load_many`` for host-tier hits into plain host memory."""
+    _batchio.copy_many(list(copies), threads)
+
+
 def stat_chunks(root_fd: int, rels: Sequence[str], size: int) -> Optional[list[bool]]:
     """Whether each path (relative to the store root) is a regular file of ``size`` bytes,
     resolved beneath the root without following a link, in one call without the GIL; None where
