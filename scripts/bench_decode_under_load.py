@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode latency of N requests while another request's long prefix is restored from the store.
 
-    python scripts/bench_decode_under_load.py [--prefix 4096,32768] [--decoders 8] [--dir DIR] [--json]
+    python scripts/bench_decode_under_load.py [--prefix 4096,32768] [--decoders 4] [--rounds 3] [--dir DIR] [--json]
 
 On the reference engine with gdskv's TensorRT-LLM connector and a real store: N short requests
 decode; at step ``--arrive`` a request whose prompt has a ``--prefix``-token stored prefix arrives
@@ -139,45 +139,59 @@ def run(store: str, mode: str, long_prompt: list[int], decoders: int, steps: int
             "bytes_loaded": worker.counters.loads_loaded}
 
 
+def summary(r: dict[str, Any]) -> dict[str, float]:
+    """One run's figures (ms): the decoders' step time over the load window and over every
+    decode step, the joining step, the restored request's TTFT, and its tokens served."""
+    win = [r["log"][i] for i in r["window"]]
+    every = [r["log"][i] for i in r["decode_steps"]]
+    return {"window_steps": len(win), "win_p50_ms": pct(win, .5) * 1e3, "win_p99_ms": pct(win, .99) * 1e3,
+            "all_p50_ms": pct(every, .5) * 1e3, "all_p99_ms": pct(every, .99) * 1e3,
+            "join_ms": r["join_s"] * 1e3, "ttft_ms": r["ttft_s"] * 1e3, "loaded": r["loaded"]}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefix", default="4096,32768", help="prefix lengths in tokens, comma-separated")
     ap.add_argument("--decoders", type=int, default=4)
     ap.add_argument("--steps", type=int, default=160, help="tokens each decoder generates")
     ap.add_argument("--arrive", type=int, default=20, help="step at which the restored request arrives")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of every mode, interleaved (the order rotates); figures are medians over rounds")
     ap.add_argument("--dir", default=None, help="store directory (default: a temporary one, removed after)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     prefixes = [int(p) for p in a.prefix.split(",")]
     root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="gdskv-bench-dul-"))
-    rows = []
+    rows: list[dict[str, Any]] = []
+    ratios: dict[int, list[float]] = {}
     try:
         for prefix in prefixes:
             store = str(root / f"store-{prefix}")
             long_prompt = prompt(prefix + 1, 9)  # every prefix token servable, one left to compute
             slots = prefix // TPB + a.decoders * (-(-(16 + a.steps) // TPB)) + 8
             nbytes = publish_prefix(store, long_prompt, slots)
-            per_mode = {}
-            for mode in ("none", "async", "sync"):
-                r = run(store, mode, long_prompt, a.decoders, a.steps, a.arrive, slots)
-                per_mode[mode] = r
-            # the no-load baseline's window: as many decode steps as async's, from the same step on
-            n = max(1, len(per_mode["async"]["window"]))
-            base = [i for i in per_mode["none"]["decode_steps"] if i >= a.arrive][:n]
-            per_mode["none"]["window"] = base
-            for mode, r in per_mode.items():
-                win = [r["log"][i] for i in r["window"]]
-                every = [r["log"][i] for i in r["decode_steps"]]
-                rows.append({"prefix": prefix, "mode": mode, "bytes": nbytes if mode != "none" else 0,
-                             "window_steps": len(win), "win_p50_ms": pct(win, .5) * 1e3, "win_p99_ms": pct(win, .99) * 1e3,
-                             "all_p50_ms": pct(every, .5) * 1e3, "all_p99_ms": pct(every, .99) * 1e3,
-                             "join_ms": r["join_s"] * 1e3, "ttft_ms": r["ttft_s"] * 1e3, "loaded": r["loaded"]})
+            by_round = []
+            modes = ["none", "async", "sync"]
+            for rnd in range(a.rounds):
+                order = modes[rnd % 3:] + modes[:rnd % 3]
+                per_mode = {mode: run(store, mode, long_prompt, a.decoders, a.steps, a.arrive, slots) for mode in order}
+                # the no-load baseline's window: as many decode steps as async's, from the same step on
+                n = max(1, len(per_mode["async"]["window"]))
+                per_mode["none"]["window"] = [i for i in per_mode["none"]["decode_steps"] if i >= a.arrive][:n]
+                by_round.append({mode: summary(r) for mode, r in per_mode.items()})
+            for mode in modes:
+                rounds = [rd[mode] for rd in by_round]
+                row = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+                row.update(prefix=prefix, mode=mode, bytes=nbytes if mode != "none" else 0,
+                           win_p99_rounds_ms=[r["win_p99_ms"] for r in rounds])
+                rows.append(row)
+            ratios[prefix] = [rd["async"]["win_p99_ms"] / rd["none"]["win_p99_ms"] for rd in by_round]
             shutil.rmtree(store, ignore_errors=True)
     finally:
         if not a.dir:
             shutil.rmtree(root, ignore_errors=True)
     if a.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"rows": rows, "async_over_none_p99_by_round": ratios}, indent=1))
         return 0
     print(f"reference engine: {MODEL.num_layers} layers, {MODEL.num_kv_heads} KV heads x {MODEL.head_dim}, fp32 KV "
           f"({2 * MODEL.num_layers * MODEL.num_kv_heads * MODEL.head_dim * 4 // 1024} KiB/token), {TPB} tokens/block; "
@@ -185,13 +199,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     head = f"{'prefix':>7} {'mode':>5} {'MiB':>6} {'win steps':>9} {'win p50':>8} {'win p99':>8} {'all p50':>8} {'all p99':>8} {'join':>8} {'TTFT':>8} {'loaded':>7}"
     print(head)
     for r in rows:
-        print(f"{r['prefix']:>7} {r['mode']:>5} {r['bytes'] / 2**20:>6.0f} {r['window_steps']:>9} {r['win_p50_ms']:>7.2f}m "
-              f"{r['win_p99_ms']:>7.2f}m {r['all_p50_ms']:>7.2f}m {r['all_p99_ms']:>7.2f}m {r['join_ms']:>7.1f}m {r['ttft_ms']:>7.1f}m {r['loaded']:>7}")
+        print(f"{r['prefix']:>7} {r['mode']:>5} {r['bytes'] / 2**20:>6.0f} {r['window_steps']:>9.0f} {r['win_p50_ms']:>7.2f}m "
+              f"{r['win_p99_ms']:>7.2f}m {r['all_p50_ms']:>7.2f}m {r['all_p99_ms']:>7.2f}m {r['join_ms']:>7.1f}m {r['ttft_ms']:>7.1f}m {r['loaded']:>7.0f}")
     for prefix in prefixes:
         by = {r["mode"]: r for r in rows if r["prefix"] == prefix}
         base = by["none"]["win_p99_ms"]
-        print(f"ratio prefix={prefix}: async p99 / no-load p99 = {by['async']['win_p99_ms'] / base:.2f} (target <= 1.2); "
+        print(f"ratio prefix={prefix}: async p99 / no-load p99 = {by['async']['win_p99_ms'] / base:.2f} (target <= 1.2; "
+              f"per round, each against its own no-load run: {', '.join(f'{x:.2f}' for x in ratios[prefix])}); "
               f"sync p99 / no-load p99 = {by['sync']['win_p99_ms'] / base:.2f}")
+    print(f"figures are medians over {a.rounds} rounds; the modes of a round run one after another, in an order that rotates")
     return 0
 
 
