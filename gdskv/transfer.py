@@ -14,6 +14,7 @@ Called by the connector workers (TensorRT-LLM: ``start_load_kv`` / ``save_kv_lay
 """
 from __future__ import annotations
 
+import ctypes
 import enum
 import errno
 import itertools
@@ -553,12 +554,18 @@ def _file_segments(pages: Sequence[torch.Tensor], trailer: Buffer) -> list[Segme
 
 
 def _gather(segments: Sequence[torch.Tensor], via: torch.Tensor) -> None:
-    """Copy a loaded page's segments into its ``via`` buffer (where it was not read through it)."""
+    """Copy a loaded page's segments into its ``via`` buffer (where it was not read through it):
+    host memory with one ``memmove`` per segment (torch's ``copy_`` would split it over its
+    intra-op threads), device memory with a synchronous copy."""
     off = 0
     for page in segments:
         flat = page.reshape(-1).view(torch.uint8)
-        via[off:off + flat.numel()].copy_(flat)
-        off += flat.numel()
+        n = flat.numel()
+        if page.device.type == "cpu":
+            ctypes.memmove(via.data_ptr() + off, flat.data_ptr(), n)
+        else:
+            via[off:off + n].copy_(flat)
+        off += n
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> None:
