@@ -376,14 +376,13 @@ class KvService:
             self._inflight += len(disk)
             self._add({"loads_posted": len(disk)})
 
-        def count(futures: list[Future]) -> None:
-            for (i, key, segments, slot), fut in zip(disk, futures):
-                out[i] = _counted(fut, lambda f, key=key, segments=segments, slot=slot: (
-                    self._fill(f, LoadStatus.LOADED, rank, group, key, segments) if slot is None else self._settle(f, slot, rank),
-                    self._loaded(f, nbytes, t0, transfer.ns)))
+        def finished(done: list[int], results: Optional[list[Any]], skipped: list[int]) -> None:
+            self._loads_finished(rank, group, [disk[k] for k in done], results, [disk[k] for k in skipped], nbytes, t0)
 
-        transfer.load_pages(group, [(key, segments, None if slot is None else slot.buf) for _, key, segments, slot in disk],
-                            ready=ready, on_posted=count)
+        futures = transfer.load_pages(group, [(key, segments, None if slot is None else slot.buf)
+                                              for _, key, segments, slot in disk], ready=ready, on_done=finished)
+        for (i, _, _, _), fut in zip(disk, futures):
+            out[i] = fut
         return out
 
     def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
@@ -413,17 +412,14 @@ class KvService:
         with self._lock:
             self._inflight += len(items)
             self._add({"saves_posted": len(items)})
-        out: list[Optional[Future]] = []
 
-        def count(futures: list[Future]) -> None:
-            for (key, _, segments), fut in zip(items, futures):
-                if self.remote is not None:
-                    fut = self.remote.after_save(transfer.ns, group, key, fut)
-                out.append(_counted(fut, lambda f, key=key, segments=segments: (
-                    self._fill(f, SaveStatus.PUBLISHED, rank, group, key, segments), self._saved(f, nbytes, t0, transfer.ns))))
+        def finished(done: list[int], results: Optional[list[Any]], skipped: list[int]) -> None:
+            self._saves_finished(rank, group, [items[k] for k in done], results, len(skipped), nbytes, t0)
 
-        transfer.save_pages(group, items, ready=ready, on_posted=count)
-        return out
+        futures = transfer.save_pages(group, items, ready=ready, on_done=finished)
+        if self.remote is None:
+            return list(futures)
+        return [self.remote.after_save(transfer.ns, group, key, fut) for (key, _, _), fut in zip(items, futures)]
 
     def _borrow(self, rank: int, group: int, key: bytes, segments: list[Any]) -> Optional[Borrowed]:
         """The host tier's entry for a page (only one of exactly the segments' size), lent until
@@ -466,10 +462,7 @@ class KvService:
             shared = self.namespaces[rank].counters
             shared.add("host_hits", k)
             shared.add("host_hit_bytes", k * size)
-            if self.metrics is not None:
-                took = time.perf_counter() - t0
-                for _ in range(k):
-                    self.metrics.observe("load", self.namespaces[rank], took)
+            self._observe("load", rank, k, t0)
         return failed
 
     def _hit_later(self, rank: int, lent: Borrowed, segments: list[Any], ready: Optional[Any], nbytes: int,
@@ -512,14 +505,57 @@ class KvService:
             log.warning("gdskv: no host-tier buffer for a page: %s", e)
             return None
 
-    def _settle(self, fut: Future, slot: Reserved, rank: int) -> None:
-        """A load through a reserved host-tier buffer finished (on the transfer's thread, before
-        the caller sees it done): the buffer becomes the page's entry when the page LOADED (it
-        holds the verified payload), else it is given back."""
-        if fut.cancelled() or fut.exception() is not None or fut.result() is not LoadStatus.LOADED:
-            self.host.abort(slot)
-            return
-        self._counted_put(self.host.commit(slot), rank, slot.buf.numel())
+    def _loads_finished(self, rank: int, group: int, done: list[tuple[int, bytes, list[Any], Optional[Reserved]]],
+                        results: Optional[list[Any]], skipped: list[tuple[int, bytes, list[Any], Optional[Reserved]]],
+                        nbytes: int, t0: float) -> None:
+        """A slice of disk loads finished (``PageTransfer``'s ``on_done``, on its thread, before the
+        pages' futures resolve): a LOADED page's reserved host-tier buffer, which holds the
+        verified payload, becomes its entry (a page without one is copied in), any other's is
+        given back; then the slice is counted at once. ``results`` is None when the slice raised."""
+        loaded = 0
+        for k, (_, key, segments, slot) in enumerate(done):
+            ok = results is not None and results[k] is LoadStatus.LOADED
+            loaded += ok
+            if slot is not None and ok:
+                self._counted_put(self.host.commit(slot), rank, slot.buf.numel())
+            elif slot is not None:
+                self.host.abort(slot)
+            elif ok and self.host is not None:
+                self._fill(rank, group, key, segments)
+        for _, _, _, slot in skipped:
+            if slot is not None:
+                self.host.abort(slot)
+        finished = len(done) + len(skipped)
+        self._observe("load", rank, finished, t0)
+        with self._lock:
+            self._inflight -= finished
+            self._add({"loads_loaded": loaded, "bytes_loaded": loaded * nbytes, "loads_failed": finished - loaded})
+
+    def _saves_finished(self, rank: int, group: int, done: list[tuple[bytes, Optional[bytes], list[Any]]],
+                        results: Optional[list[Any]], skipped: int, nbytes: int, t0: float) -> None:
+        """A slice of saves finished (as ``_loads_finished``): a PUBLISHED page is copied into
+        the host tier (write-through), and the slice is counted at once."""
+        published = existing = 0
+        for k, (key, _, segments) in enumerate(done):
+            status = None if results is None else results[k]
+            if status is SaveStatus.PUBLISHED:
+                published += 1
+                self._fill(rank, group, key, segments)
+            elif status is SaveStatus.EXISTS:
+                existing += 1
+        finished = len(done) + skipped
+        self._observe("save", rank, finished, t0)
+        with self._lock:
+            self._inflight -= finished
+            self._add({"saves_published": published, "bytes_saved": published * nbytes, "saves_existing": existing,
+                       "saves_dropped": finished - published - existing})
+
+    def _observe(self, op: str, rank: int, pages: int, t0: float) -> None:
+        """``pages`` of ``op`` took since ``t0`` (the latency histogram, where metrics are on)."""
+        if self.metrics is not None:
+            took = time.perf_counter() - t0
+            for _ in range(pages):
+                self.metrics.observe(op, self.namespaces[rank], took)
 
     def _counted_put(self, put: Put, rank: int, size: int) -> None:
         if not put.taken:
@@ -531,16 +567,14 @@ class KvService:
             shared.add("host_evictions", put.evicted)
             shared.add("host_evicted_bytes", put.evicted_bytes)
 
-    def _fill(self, fut: Future, wanted: Any, rank: int, group: int, key: bytes, segments: list[Any]) -> None:
-        """Copy a page into the host tier once its transfer came back ``wanted`` (a save
-        PUBLISHED: the bytes just written; a load LOADED: the bytes just verified). Runs on the
-        transfer's thread before the caller sees the future done, so the page is still unchanged.
+    def _fill(self, rank: int, group: int, key: bytes, segments: list[Any]) -> None:
+        """Copy a page into the host tier (a save just published it; a load just verified it),
+        on the transfer's thread before the caller sees the page done, so it is still unchanged.
         Never raises: a page not taken is only a later miss."""
-        host = self.host
-        if host is None or fut.cancelled() or fut.exception() is not None or fut.result() is not wanted:
+        if self.host is None:
             return
         try:
-            put = host.put((rank, group, key), segments)
+            put = self.host.put((rank, group, key), segments)
         except Exception as e:
             log.warning("gdskv: a page was not copied into the host tier: %s", e)
             return
@@ -567,19 +601,6 @@ class KvService:
                 self._add({"loads_loaded": 1, "bytes_loaded": nbytes, **(hit or {})})
             else:
                 self._add({"loads_failed": 1})
-
-    def _saved(self, fut: Future, nbytes: int, t0: float, ns: Namespace) -> None:
-        status = None if fut.cancelled() or fut.exception() is not None else fut.result()
-        if self.metrics is not None:
-            self.metrics.observe("save", ns, time.perf_counter() - t0)
-        with self._lock:
-            self._inflight -= 1
-            if status is SaveStatus.PUBLISHED:
-                self._add({"saves_published": 1, "bytes_saved": nbytes})
-            elif status is SaveStatus.EXISTS:
-                self._add({"saves_existing": 1})
-            else:
-                self._add({"saves_dropped": 1})
 
     def _count(self, **n: int) -> None:
         with self._lock:

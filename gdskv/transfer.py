@@ -45,6 +45,10 @@ NATIVE_CALLERS = 2
 resolves its slice (with the GIL) while the other's pages move (without it)."""
 
 
+DoneFn = Callable[[list[int], Optional[list[Any]], list[int]], None]
+"""``on_done(done, results, skipped)`` of ``save_pages``/``load_pages``: see ``PageTransfer._batch``."""
+
+
 class SaveStatus(enum.Enum):
     PUBLISHED = "published"
     EXISTS = "exists"
@@ -106,13 +110,13 @@ class PageTransfer:
         return self.save_pages(group, [(key, parent, segments)], ready)[0]
 
     def save_pages(self, group: int, items: Sequence[tuple[bytes, Optional[bytes], Sequence[torch.Tensor]]],
-                   ready: Optional[Any] = None, on_posted: Optional[Callable[[list[Future]], None]] = None
+                   ready: Optional[Any] = None, on_done: Optional[DoneFn] = None
                    ) -> list["Future[SaveStatus]"]:
         """``save_page`` for a step's pages at once (``(key, parent, segments)`` each, one
         ``ready`` for all): one future per page, in order, with at most ``depth`` pages in flight
-        (see ``_batch``, and there for ``on_posted``)."""
+        (see ``_batch``, and there for ``on_done``)."""
         return self._batch(self._save, self._save_slice, group,
-                           [(key, parent, list(segs)) for key, parent, segs in items], ready, on_posted)
+                           [(key, parent, list(segs)) for key, parent, segs in items], ready, on_done)
 
     def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor], ready: Optional[Any] = None) -> SaveStatus:
         if ready is not None:
@@ -301,20 +305,19 @@ class PageTransfer:
         return self.load_pages(group, [(key, segments)], ready)[0]
 
     def load_pages(self, group: int, items: Sequence[tuple], ready: Optional[Any] = None,
-                   on_posted: Optional[Callable[[list[Future]], None]] = None) -> list["Future[LoadStatus]"]:
+                   on_done: Optional[DoneFn] = None) -> list["Future[LoadStatus]"]:
         """``load_page`` for a step's pages at once (``(key, segments)`` each, one ``ready`` for
         all): one future per page, in order, with at most ``depth`` pages in flight (see
-        ``_batch``, and there for ``on_posted``). An item ``(key, segments, via)`` names a flat
+        ``_batch``, and there for ``on_done``). An item ``(key, segments, via)`` names a flat
         ``uint8`` host buffer of the page's size (the host tier's, ``KvService.load_many``) that
         holds the payload too once the page is LOADED: the chunk is read into ``via`` (with
         O_DIRECT where it is aligned) and copied into the segments from there, checksummed on
         the way, so keeping the page costs no second copy."""
         jobs = [(item[0], list(item[1]), item[2] if len(item) > 2 else None) for item in items]
-        return self._batch(self._load, self._load_slice, group, jobs, ready, on_posted)
+        return self._batch(self._load, self._load_slice, group, jobs, ready, on_done)
 
     def _batch(self, fn: Callable[..., Any], slice_fn: Callable[[int, list[tuple], int], list[Any]], group: int,
-               jobs: list[tuple], ready: Optional[Any], on_posted: Optional[Callable[[list[Future]], None]] = None
-               ) -> list[Future]:
+               jobs: list[tuple], ready: Optional[Any], on_done: Optional[DoneFn] = None) -> list[Future]:
         """Run the jobs with ``depth`` pages in flight. Each pool thread waits on ``ready`` once,
         then takes slices of jobs until none is left and resolves their futures itself: a batch
         costs a few hand-offs, not one per page (the per-page submit, wake-up and future of the
@@ -324,10 +327,11 @@ class PageTransfer:
         native threads without the GIL (``callers * inner`` <= ``depth``): Python threads
         contending for the GIL were what slowed both the pages and the serving thread.
         Otherwise ``depth`` pool threads run ``fn(group, *job)`` per page. Pages complete in any
-        order; a cancelled future's page is skipped. ``on_posted(futures)`` runs on the caller's
-        thread before any worker starts: callbacks attached there cost the caller no wait for
-        the threads moving pages (attached afterwards, each contends with them for the GIL, and
-        one on a page already done runs its callback, a host-tier fill, on the caller's thread)."""
+        order; a cancelled future's page is skipped. ``on_done(done, results, skipped)`` runs on
+        the worker once per slice, before that slice's futures resolve: the indices of the jobs
+        it ran, their results (None when the slice raised) and the indices of the cancelled jobs
+        it skipped. The caller's per-page bookkeeping (``KvService``'s counters and host-tier
+        fills) happens there, a slice at a time, and whoever sees a page done sees it done."""
         futures: list[Future] = [Future() for _ in jobs]
         native = self._batchable()
         if native:
@@ -342,21 +346,27 @@ class PageTransfer:
             if ready is not None:
                 ready.synchronize()
             for start in slices:
-                picked = [i for i in range(start, min(start + size, len(jobs))) if futures[i].set_running_or_notify_cancel()]
+                span = range(start, min(start + size, len(jobs)))
+                picked = [i for i in span if futures[i].set_running_or_notify_cancel()]
+                error: Optional[BaseException] = None
                 try:
                     if native:
                         results = slice_fn(group, [jobs[i] for i in picked], inner)
                     else:
                         results = [fn(group, *jobs[i]) for i in picked]
                 except BaseException as e:  # noqa: BLE001 - delivered through the pages' futures
-                    for i in picked:
-                        futures[i].set_exception(e)
-                    continue
-                for i, result in zip(picked, results):
-                    futures[i].set_result(result)
+                    results, error = None, e
+                if on_done is not None:
+                    try:
+                        on_done(picked, results, [i for i in span if i not in picked] if len(picked) < len(span) else [])
+                    except Exception:  # never lose the pages' futures to the bookkeeping
+                        log.exception("gdskv: bookkeeping of a finished slice failed")
+                for k, i in enumerate(picked):
+                    if error is not None:
+                        futures[i].set_exception(error)
+                    else:
+                        futures[i].set_result(results[k])  # type: ignore[index]
 
-        if on_posted is not None:
-            on_posted(futures)
         for _ in range(threads):
             self._pool.submit(worker)
         return futures
