@@ -419,7 +419,10 @@ class KvService:
         futures = transfer.save_pages(group, items, ready=ready, on_done=finished)
         if self.remote is None:
             return list(futures)
-        return [self.remote.after_save(transfer.ns, group, key, fut) for (key, _, _), fut in zip(items, futures)]
+        out = [self.remote.after_save(transfer.ns, group, key, fut) for (key, _, _), fut in zip(items, futures)]
+        for fut in out:  # an upload's counters (on the namespace) are written by the next flush
+            fut.add_done_callback(self._changed)
+        return out
 
     def _borrow(self, rank: int, group: int, key: bytes, segments: list[Any]) -> Optional[Borrowed]:
         """The host tier's entry for a page (only one of exactly the segments' size), lent until
@@ -601,6 +604,12 @@ class KvService:
                 self._add({"loads_loaded": 1, "bytes_loaded": nbytes, **(hit or {})})
             else:
                 self._add({"loads_failed": 1})
+
+    def _changed(self, _: Any = None) -> None:
+        """Counters moved outside ``_add`` (the remote tier's, on the namespace): ``flush_stats``
+        writes them next time."""
+        with self._lock:
+            self._dirty = True
 
     def _count(self, **n: int) -> None:
         with self._lock:
