@@ -6,10 +6,7 @@ for reuse, kept going back to the allocator. Slabs are ``SLAB_BYTES`` each (one 
 allocation where CUDA is present, plain host memory elsewhere); buffers given back are reused and
 never returned to the allocator until ``clear``, so a warm tier allocates nothing.
 
-Slabs are page-aligned (pinned memory is; plain memory is mapped so), and so are the buffers of
-pages whose size is a multiple of 4 KiB: a load from the disk reads a chunk with O_DIRECT straight
-into the buffer its page is kept in (``HostTier.reserve``). Slabs are not advised to use
-transparent huge pages: on the dev VM the first 512 MiB of them
+Slabs are not advised to use transparent huge pages: on the dev VM the first 512 MiB of them
 cost 0.6-1.0 s of kernel time in compaction (then 0.02 s once huge pages were free), against a
 steady 0.19 s of 4 KiB page faults, and that kernel time is taken from the serving loop's CPU.
 
@@ -24,8 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-
-from gdskv.io.posix import aligned_host_buffer
 
 log = logging.getLogger(__name__)
 
@@ -108,4 +103,4 @@ class SlabPool:
             except RuntimeError as e:
                 log.warning("gdskv: host tier cannot pin memory (%s); using pageable host memory", e)
                 self.pinned = False
-        return torch.frombuffer(aligned_host_buffer(size, huge_pages=False), dtype=torch.uint8)
+        return torch.empty(size, dtype=torch.uint8)

@@ -18,8 +18,9 @@ makes host/device copies direct and asynchronous), plain host memory elsewhere, 
 (``gdskv.hostmem``): buffers of evicted entries are reused once nobody reads them.
 
 Called by ``gdskv.service.KvService`` (bring-up: ``tier_bytes``; ``load``/``save``: ``borrow``,
-``put``, and ``reserve``/``commit``/``abort`` for a load from the disk that reads into the entry's
-buffer itself); ``gather``/``scatter`` are the copies between an entry and a page's segments.
+``put``, and ``reserve``/``commit``/``abort`` for a load from the disk that fills the entry's
+buffer as it fills the page); ``gather``/``scatter`` are the copies between an entry and a page's
+segments.
 """
 from __future__ import annotations
 
@@ -177,8 +178,9 @@ class HostTier:
         ``commit``-ted (or ``abort``-ed): None when the tier holds ``key`` already (it becomes the
         most recent entry), the page does not fit the budget, or no memory can be had. Room is
         made now (least recent entries evicted) and counted as used until the end. Called by
-        ``put``, and by ``KvService.load_many`` so that a load from the disk reads straight into
-        the buffer its page will be kept in (the page slot gets a copy: no second copy to fill)."""
+        ``put``, and by ``KvService.load_many`` so that a load from the disk fills the buffer its
+        page will be kept in as it fills the page (one pass over the payload, not a second one
+        after the load)."""
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)

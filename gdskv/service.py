@@ -496,8 +496,8 @@ class KvService:
         return _counted(fut, lambda f: self._loaded(f, nbytes, t0, self.namespaces[rank], hit))
 
     def _reserve(self, rank: int, group: int, key: bytes, segments: list[Any]) -> Optional[Reserved]:
-        """A host-tier buffer for a page about to be read from the disk (the transfer reads the
-        chunk into it, and the page gets a copy: ``PageTransfer.load_pages``), or None: the tier
+        """A host-tier buffer for a page about to be read from the disk (the transfer copies the
+        payload there as it copies it into the page: ``PageTransfer.load_pages``), or None: the tier
         holds the page already, it does not fit, or its segments cannot be copied in place."""
         size = payload_nbytes(segments)
         if not size:

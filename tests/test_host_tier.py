@@ -185,12 +185,6 @@ def test_a_commit_that_lost_a_race_gives_its_buffer_back():
         assert int(buf[0]) == 1
 
 
-def test_the_tier_buffers_are_page_aligned_for_direct_reads():
-    tier = HostTier(8 << 20, pinned=False)
-    slots = [tier.reserve(i, 1 << 20) for i in range(3)]
-    assert all(s is not None and s.buf.data_ptr() % 4096 == 0 for s in slots)
-
-
 def test_host_bytes_is_validated_naming_the_setting(tmp_path):
     assert GdsKvConfig(host_bytes="64M").host_bytes == 64 << 20 and GdsKvConfig(host_bytes=0).host_bytes == 0
     for bad in ("lots", -1, 1.5, True):
@@ -246,10 +240,10 @@ def test_a_page_loaded_from_disk_is_served_from_memory_next_time(tmp_path):
     svc.close()
 
 
-def test_a_cold_load_is_read_into_its_tier_buffer_and_counted_once(tmp_path):
-    """With the tier on, a page read from disk is read into the buffer the tier keeps it in
-    (one copy into the page slot, not a second one into the tier): the entry holds exactly the
-    page, it is one fill, and a corrupt chunk leaves no entry and no room taken."""
+def test_a_cold_load_fills_its_tier_buffer_and_is_counted_once(tmp_path):
+    """With the tier on, a page read from disk fills the buffer the tier keeps it in, in the pass
+    that fills the page slot: the entry holds exactly the page, it is one fill, and a corrupt
+    chunk leaves no entry and no room taken."""
     keys = saved_elsewhere(tmp_path, 4)
     svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
     flip(Path(svc.namespace.chunk_path(0, keys[3])), 5)

@@ -205,8 +205,9 @@ def test_a_load_refreshes_the_mtime_and_leaves_a_lease_in_the_atime_alone(store_
 
 
 def test_a_load_through_a_via_buffer_fills_it_and_the_page_with_the_same_verified_bytes(store_path, io_path):
-    """``(key, segments, via)``: the chunk is read into ``via`` (aligned: O_DIRECT in place on the
-    native path) and the page's two segments get a copy; a corrupt chunk is a miss either way."""
+    """``(key, segments, via)``: the page's two segments and ``via`` both get the chunk's payload
+    (cold: O_DIRECT through the staging buffer on the native path); a corrupt chunk is a miss
+    either way."""
     from gdskv.io.posix import aligned_host_buffer
 
     x = make(store_path)

@@ -391,15 +391,15 @@ def move_all(op: Callable[[int, list[memoryview], int], int], fd: int, views: li
 HUGE_PAGE = 2 << 20
 
 
-def aligned_host_buffer(nbytes: int, huge_pages: bool = True) -> memoryview:
-    """``nbytes`` of private anonymous host memory aligned to 2 MiB and (``huge_pages``) advised
-    to use transparent huge pages, so that O_DIRECT accepts it and each request can span a whole
-    chunk (with 4 KiB pages a request stops at the queue's segment limit, 254 x 4 KiB on virtio).
-    Called for the staging buffers of CPU-only processes, for the host tier's slabs (without
-    huge pages: see ``gdskv.hostmem``), by ``gdskv.bench.page_pool`` for the benchmark's page
-    pools and by the engine tests (torch's own CPU allocations are only 64-byte aligned)."""
+def aligned_host_buffer(nbytes: int) -> memoryview:
+    """``nbytes`` of private anonymous host memory aligned to 2 MiB and advised to use
+    transparent huge pages, so that O_DIRECT accepts it and each request can span a whole chunk
+    (with 4 KiB pages a request stops at the queue's segment limit, 254 x 4 KiB on virtio).
+    Called for the staging buffers of CPU-only processes, by ``gdskv.bench.page_pool`` for the
+    benchmark's page pools and by the engine tests (torch's own CPU allocations are only 64-byte
+    aligned)."""
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+    if hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
     return memoryview(region)[start:start + nbytes]
