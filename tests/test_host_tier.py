@@ -401,3 +401,38 @@ def test_the_reference_engine_gives_identical_output_from_host_tier_hits(tmp_pat
         assert all(torch.equal(x, y) for x, y in zip(a.logits, b2.logits))
         served = {k: v for k, v in a.kv_pages.items() if k[2] < 20 // TPB}  # the restored blocks, bit for bit
         assert served and all(b2.kv_pages[k] == v for k, v in served.items())
+
+
+class _Gate:
+    """A readiness the transfer threads wait on until ``open()`` (the test cancels pages meanwhile)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self._event.wait(10)
+
+    def open(self) -> None:
+        self._event.set()
+
+
+def test_cancelled_loads_give_their_tier_buffers_back_and_leave_nothing_in_flight(tmp_path):
+    """Pages cancelled before a transfer thread reached them are skipped: their reserved tier
+    buffers are given back, they count as failed, nothing stays in flight, and the pages that ran
+    are kept in the tier with their exact bytes."""
+    keys = saved_elsewhere(tmp_path, 8)
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    gate = _Gate()
+    outs = [empty() for _ in range(8)]
+    futures = svc.load_many(0, [(keys[i], outs[i]) for i in range(8)], ready=gate)
+    assert svc.host.used == 8 * PAGE  # reserved while in flight
+    cancelled = [i for i in (1, 4, 6) if futures[i].cancel()]
+    gate.open()
+    ran = [i for i in range(8) if i not in cancelled]
+    assert [futures[i].result() for i in ran] == [LoadStatus.LOADED] * len(ran)
+    assert all(same(outs[i], page(i)) for i in ran)
+    c = svc.snapshot()
+    assert svc.in_flight == 0 and cancelled
+    assert (c["loads_loaded"], c["loads_failed"], c["host_fills"]) == (len(ran), len(cancelled), len(ran))
+    assert svc.host.used == len(ran) * PAGE and len(svc.host) == len(ran)
+    svc.close()
