@@ -18,7 +18,7 @@ Subjects, all moving pages of the same size and count between a page pool and on
   huge pages), ``pinned`` and ``cuda`` (where CUDA exists);
 - ``service:host-tier@<pool>``: the store as a serving process runs it, through ``KvService`` with
   the default config (host tier on): saves write through into the tier, cold and warm loads read
-  the disk through the tier's buffers, and a hot load is served by the tier;
+  the disk and fill the tier, and a hot load is served by the tier;
 - ``peer:vllm-fs-tier`` and ``peer:lmcache-disk``: vLLM's file-system offload tier and LMCache's
   local-disk backend, each driven in its own virtualenv (``gdskv.peers``), left out with the
   reason where that cannot be had.
@@ -286,8 +286,8 @@ class ServiceSubject(_Subject):
     """The store as a serving process runs it: ``KvService`` (what every connector holds) with
     the default config (``o_direct = "all"``, the host tier on), one fresh service and store per
     round. Saves are write-through into the host tier; the cold and the warm load read the disk
-    (the tier forgot the pages first) into the tier's own buffers, the pages getting a copy; the
-    hot load is served by the tier. The tier's memory is touched in ``prepare``, as a serving
+    (the tier forgot the pages first), filling the tier's buffers in the pass that fills the
+    pages; the hot load is served by the tier. The tier's memory is touched in ``prepare``, as a serving
     process's has been long before (first-touch faults are not any load's cost)."""
 
     supports_hot = True
