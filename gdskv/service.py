@@ -358,14 +358,15 @@ class KvService:
             segments = list(segments)
             slot = None
             if self.host is not None:
-                lent = self._borrow(rank, group, key, segments)
+                size = payload_nbytes(segments)
+                lent = self._borrow(rank, group, key, size)
                 if lent is not None and ready is None and all(s.device.type == "cpu" for s in segments):
                     now.append((i, key, lent, segments))
                     continue
                 if lent is not None:
                     out[i] = self._hit_later(rank, lent, segments, ready, nbytes, t0)
                     continue
-                slot = self._reserve(rank, group, key, segments)
+                slot = self._reserve(rank, group, key, size)
             disk.append((i, key, segments, slot))
         if now:
             for i, key, segments in self._hits_now(rank, now, out, nbytes, t0):
@@ -424,10 +425,10 @@ class KvService:
             fut.add_done_callback(self._changed)
         return out
 
-    def _borrow(self, rank: int, group: int, key: bytes, segments: list[Any]) -> Optional[Borrowed]:
-        """The host tier's entry for a page (only one of exactly the segments' size), lent until
-        released; None is a miss, counted (the caller reads the disk)."""
-        size = payload_nbytes(segments)
+    def _borrow(self, rank: int, group: int, key: bytes, size: Optional[int]) -> Optional[Borrowed]:
+        """The host tier's entry for a page of ``size`` bytes (``payload_nbytes`` of its segments;
+        only an entry of exactly that size), lent until released; None is a miss, counted (the
+        caller reads the disk)."""
         lent = self.host.borrow((rank, group, key), size) if size is not None else None
         if lent is None:
             self._count(host_misses=1)
@@ -495,11 +496,11 @@ class KvService:
             fut.set_result(LoadStatus.MISSING)
         return _counted(fut, lambda f: self._loaded(f, nbytes, t0, self.namespaces[rank], hit))
 
-    def _reserve(self, rank: int, group: int, key: bytes, segments: list[Any]) -> Optional[Reserved]:
-        """A host-tier buffer for a page about to be read from the disk (the transfer copies the
-        payload there as it copies it into the page: ``PageTransfer.load_pages``), or None: the tier
-        holds the page already, it does not fit, or its segments cannot be copied in place."""
-        size = payload_nbytes(segments)
+    def _reserve(self, rank: int, group: int, key: bytes, size: Optional[int]) -> Optional[Reserved]:
+        """A host-tier buffer for a page of ``size`` bytes about to be read from the disk (the
+        transfer copies the payload there as it copies it into the page:
+        ``PageTransfer.load_pages``), or None: the tier holds the page already, it does not fit,
+        or its segments cannot be copied in place (``size`` None)."""
         if not size:
             return None
         try:

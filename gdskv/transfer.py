@@ -14,7 +14,6 @@ Called by the connector workers (TensorRT-LLM: ``start_load_kv`` / ``save_kv_lay
 """
 from __future__ import annotations
 
-import ctypes
 import enum
 import errno
 import itertools
@@ -30,6 +29,7 @@ import torch
 from gdskv import checksum
 from gdskv import format as fmt
 from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path, touch_mtime
+from gdskv.hosttier import gather
 from gdskv.io import batch as batchio
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
 from gdskv.io.posix import aligned_host_buffer
@@ -383,7 +383,7 @@ class PageTransfer:
         """One page on the per-page path; a LOADED page's payload is copied into ``via`` too."""
         status = self._load_page(group, key, segments)
         if status is LoadStatus.LOADED and via is not None:
-            _gather(segments, via)
+            gather(segments, via)
         return status
 
     def _load_page(self, group: int, key: bytes, segments: list[torch.Tensor]) -> LoadStatus:
@@ -480,7 +480,7 @@ class PageTransfer:
                     nbytes_loaded += nbytes
                     out[i] = LoadStatus.LOADED
                     if i in copy_to_via:
-                        _gather(segments, via)
+                        gather(segments, via)
                 else:
                     out[i] = self._load(group, key, segments, via)
             if loaded:
@@ -563,21 +563,6 @@ def _file_segments(pages: Sequence[torch.Tensor], trailer: Buffer) -> list[Segme
         off += nbytes
     segs.append(Segment(off, trailer))
     return segs
-
-
-def _gather(segments: Sequence[torch.Tensor], via: torch.Tensor) -> None:
-    """Copy a loaded page's segments into its ``via`` buffer (where it was not read through it):
-    host memory with one ``memmove`` per segment (torch's ``copy_`` would split it over its
-    intra-op threads), device memory with a synchronous copy."""
-    off = 0
-    for page in segments:
-        flat = page.reshape(-1).view(torch.uint8)
-        n = flat.numel()
-        if page.device.type == "cpu":
-            ctypes.memmove(via.data_ptr() + off, flat.data_ptr(), n)
-        else:
-            via[off:off + n].copy_(flat)
-        off += n
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> None:

@@ -17,9 +17,10 @@
  *   to end in the file from offset 0 and the last one is the chunk's trailer. err 0: every byte
  *   read, crc = CRC32C of all pieces but the last (crc_fn: the address of google-crc32c's
  *   crc32c_extend). outs (optional, the payload's length in all): where the payload is copied
- *   too once read (the host tier's buffer for the page). The payload is walked once, in cache-sized steps, each checksummed and then copied
- *   (out of staging, into outs) while in cache. On success the file's mtime is refreshed
- *   (eviction ranks by recency) and its atime left alone (a lookup's lease).
+ *   too once read (the host tier's buffer for the page). The payload is walked once, in
+ *   cache-sized steps, each checksummed and then copied (out of staging, into outs) while in
+ *   cache. On success the file's mtime is refreshed (eviction ranks by recency) and its atime
+ *   left alone (a lookup's lease).
  *   direct: read chunks not wholly in the page cache with O_DIRECT, aligned pieces in place and
  *   the rest through an aligned staging buffer.
  * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads) -> list[err]
