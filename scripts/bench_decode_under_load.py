@@ -160,6 +160,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dir", default=None, help="store directory (default: a temporary one, removed after)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     prefixes = [int(p) for p in a.prefix.split(",")]
     root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="gdskv-bench-dul-"))
     rows: list[dict[str, Any]] = []
