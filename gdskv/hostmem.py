@@ -51,6 +51,10 @@ class SlabPool:
         self.limit = capacity + self.slab_bytes
         self.pinned = pinned
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._allocating = False
+        """A slab is being allocated: ``take`` waits for it rather than allocate beside it (threads
+        filling an empty tier at once would each allocate a slab, and the limit refuse the rest)."""
         self._slabs: list[_Slab] = []
         self._bytes = 0
 
@@ -61,11 +65,15 @@ class SlabPool:
             return self._bytes
 
     def take(self, nbytes: int) -> Optional[tuple[torch.Tensor, _Slab]]:
-        with self._lock:
-            for slab in self._slabs:
-                if slab.unused and slab.unused[-1].numel() == nbytes:
-                    slab.lent += 1
-                    return slab.unused.pop(), slab
+        with self._cond:
+            while True:
+                for slab in self._slabs:
+                    if slab.unused and slab.unused[-1].numel() == nbytes:
+                        slab.lent += 1
+                        return slab.unused.pop(), slab
+                if not self._allocating:
+                    break
+                self._cond.wait()  # the slab being allocated may have a buffer of this size
             size = max(nbytes, self.slab_bytes // nbytes * nbytes)
             if self._bytes + size > self.limit:
                 idle = [s for s in self._slabs if s.lent == 0]
@@ -73,16 +81,20 @@ class SlabPool:
                 self._bytes -= sum(s.nbytes for s in idle)
                 if self._bytes + size > self.limit:
                     return None
-            self._bytes += size  # reserved while the slab is allocated outside the lock
-        try:
+            self._bytes += size
+            self._allocating = True
+        slab: Optional[_Slab] = None
+        try:  # outside the lock (a page-locked allocation takes milliseconds): givers need not wait
             memory = self._allocate(size)
-        except BaseException:
-            with self._lock:
-                self._bytes -= size
-            raise
-        slab = _Slab(memory, size, [memory[i:i + nbytes] for i in range(nbytes, size - nbytes + 1, nbytes)][::-1], 1)
-        with self._lock:
-            self._slabs.append(slab)
+            slab = _Slab(memory, size, [memory[i:i + nbytes] for i in range(nbytes, size - nbytes + 1, nbytes)][::-1], 1)
+        finally:
+            with self._cond:
+                self._allocating = False
+                if slab is None:
+                    self._bytes -= size
+                else:
+                    self._slabs.append(slab)
+                self._cond.notify_all()
         return memory[:nbytes], slab
 
     def give(self, buf: torch.Tensor, slab: _Slab) -> None:

@@ -7,7 +7,9 @@ chunk in a late slice is recomputed with identical output.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -146,3 +148,26 @@ def test_slabs_are_reused_and_stay_within_one_slab_of_the_budget():
         pool.give(buf, slab)
     big = pool.take(3000)  # slabs lending nothing make room for another size
     assert big is not None and big[0].numel() == 3000 and pool.nbytes <= pool.limit
+
+
+def test_threads_filling_an_empty_pool_at_once_share_the_slab_being_allocated():
+    """The first buffers of a tier are taken by several transfer threads at once (a step's saves
+    published together). An allocation that takes time, as a page-locked one does, must not make
+    the others allocate slabs of their own until the limit refuses the rest."""
+
+    class SlowPool(SlabPool):
+        def _allocate(self, size: int) -> torch.Tensor:
+            time.sleep(0.05)
+            return super()._allocate(size)
+
+    pool = SlowPool(capacity=1 << 20, pinned=False)
+    start = threading.Barrier(8)
+
+    def take() -> object:
+        start.wait()
+        return pool.take(256)
+
+    with ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(lambda _: take(), range(8)))
+    assert all(g is not None for g in got)
+    assert pool.nbytes == pool.slab_bytes and len({g[0].data_ptr() for g in got}) == 8
