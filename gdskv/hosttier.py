@@ -139,6 +139,36 @@ class HostTier:
             entry.readers += 1
         return Borrowed(self, entry)
 
+    def borrow_many(self, keys: Sequence[Hashable], sizes: Sequence[Optional[int]]) -> list[Optional["Borrowed"]]:
+        """``borrow`` of a step's pages under one lock (a size of None is a miss)."""
+        out: list[Optional[Borrowed]] = []
+        with self._lock:
+            for key, nbytes in zip(keys, sizes):
+                entry = self._entries.get(key) if nbytes is not None else None
+                if entry is None or entry.buf.numel() != nbytes:
+                    out.append(None)
+                    continue
+                self._entries.move_to_end(key)
+                entry.readers += 1
+                out.append(Borrowed(self, entry))
+        return out
+
+    def release_many(self, lent: Sequence["Borrowed"]) -> None:
+        """``release()`` of each, under one lock."""
+        entries = []
+        for b in lent:
+            if b._tier is not None:
+                b._tier = None
+                entries.append(b._entry)
+        last = []
+        with self._lock:
+            for entry in entries:
+                entry.readers -= 1
+                if entry.gone and entry.readers == 0:
+                    last.append(entry)
+        for entry in last:
+            self._memory.give(entry.buf, entry.slab)
+
     def _release(self, entry: "_Entry") -> None:
         with self._lock:
             entry.readers -= 1

@@ -354,20 +354,19 @@ class KvService:
         out: list[Optional[Future]] = [None] * len(items)
         disk: list[tuple[int, bytes, list[Any], Optional[Reserved]]] = []
         now: list[tuple[int, bytes, Borrowed, list[Any]]] = []
-        for i, (key, segments) in enumerate(items):
-            segments = list(segments)
-            slot = None
-            if self.host is not None:
-                size = payload_nbytes(segments)
-                lent = self._borrow(rank, group, key, size)
-                if lent is not None and ready is None and all(s.device.type == "cpu" for s in segments):
+        pages = [(key, list(segments)) for key, segments in items]
+        if self.host is None:
+            disk = [(i, key, segments, None) for i, (key, segments) in enumerate(pages)]
+        else:
+            sizes = [payload_nbytes(segments) for _, segments in pages]
+            lents = self._borrow_many(rank, group, [key for key, _ in pages], sizes)
+            for i, ((key, segments), size, lent) in enumerate(zip(pages, sizes, lents)):
+                if lent is None:
+                    disk.append((i, key, segments, self._reserve(rank, group, key, size)))
+                elif ready is None and all(s.is_cpu for s in segments):
                     now.append((i, key, lent, segments))
-                    continue
-                if lent is not None:
+                else:
                     out[i] = self._hit_later(rank, lent, segments, ready, nbytes, t0)
-                    continue
-                slot = self._reserve(rank, group, key, size)
-            disk.append((i, key, segments, slot))
         if now:
             for i, key, segments in self._hits_now(rank, now, out, nbytes, t0):
                 disk.append((i, key, segments, None))
@@ -425,22 +424,23 @@ class KvService:
             fut.add_done_callback(self._changed)
         return out
 
-    def _borrow(self, rank: int, group: int, key: bytes, size: Optional[int]) -> Optional[Borrowed]:
-        """The host tier's entry for a page of ``size`` bytes (``payload_nbytes`` of its segments;
-        only an entry of exactly that size), lent until released; None is a miss, counted (the
-        caller reads the disk)."""
-        lent = self.host.borrow((rank, group, key), size) if size is not None else None
-        if lent is None:
-            self._count(host_misses=1)
-            self.namespaces[rank].counters.add("host_misses")
-        return lent
+    def _borrow_many(self, rank: int, group: int, keys: list[bytes], sizes: list[Optional[int]]) -> list[Optional[Borrowed]]:
+        """The host tier's entries for a step's pages of ``sizes`` bytes each (``payload_nbytes``
+        of their segments; only entries of exactly that size), lent until released; a None is a
+        miss, counted (the caller reads the disk)."""
+        lents = self.host.borrow_many([(rank, group, key) for key in keys], sizes)
+        misses = lents.count(None)
+        if misses:
+            self._count(host_misses=misses)
+            self.namespaces[rank].counters.add("host_misses", misses)
+        return lents
 
     def _hits_now(self, rank: int, hits: list[tuple[int, bytes, Borrowed, list[Any]]], out: list[Optional[Future]],
                   nbytes: int, t0: float) -> list[tuple[int, bytes, list[Any]]]:
         """Host-tier hits into plain host memory with nothing to wait for, copied here, all at once
-        (``scatter_many``: one native call on ``HIT_COPY_THREADS`` threads); their futures come
-        back done (a hand-off would cost more than the copy). Returns the pages whose copy
-        failed, for the disk."""
+        (``scatter_many``: one native call on ``HIT_COPY_THREADS`` threads); they share one future,
+        done (a hand-off would cost more than the copy). Returns the pages whose copy failed, for
+        the disk."""
         failed: list[tuple[int, bytes, list[Any]]] = []
         try:
             scatter_many([(lent.buf, segments) for _, _, lent, segments in hits], HIT_COPY_THREADS)
@@ -455,18 +455,19 @@ class KvService:
                     failed.append((hit[0], hit[1], hit[3]))
                     hit[2].release()
             hits = kept
-        for i, _, lent, _ in hits:
-            lent.release()
-            out[i] = done = Future()
-            done.set_result(LoadStatus.LOADED)
-        k = len(hits)
-        if k:
-            size = hits[0][2].buf.numel()
-            self._count(loads_posted=k, loads_loaded=k, bytes_loaded=k * nbytes, host_hits=k, host_hit_bytes=k * size)
-            shared = self.namespaces[rank].counters
-            shared.add("host_hits", k)
-            shared.add("host_hit_bytes", k * size)
-            self._observe("load", rank, k, t0)
+        if not hits:
+            return failed
+        self.host.release_many([lent for _, _, lent, _ in hits])
+        done: Future = Future()  # one resolved future for every hit: a future each cost more than a 256 KiB copy
+        done.set_result(LoadStatus.LOADED)
+        for i, _, _, _ in hits:
+            out[i] = done
+        k, size = len(hits), hits[0][2].buf.numel()
+        self._count(loads_posted=k, loads_loaded=k, bytes_loaded=k * nbytes, host_hits=k, host_hit_bytes=k * size)
+        shared = self.namespaces[rank].counters
+        shared.add("host_hits", k)
+        shared.add("host_hit_bytes", k * size)
+        self._observe("load", rank, k, t0)
         return failed
 
     def _hit_later(self, rank: int, lent: Borrowed, segments: list[Any], ready: Optional[Any], nbytes: int,

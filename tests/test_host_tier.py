@@ -113,6 +113,23 @@ def test_a_borrowed_buffer_is_never_reused_by_an_eviction():
         assert int(buf.min()) == 3 == int(buf.max())
 
 
+def test_a_steps_borrows_and_releases_at_once_behave_as_one_at_a_time():
+    tier = HostTier(200, pinned=False)
+    tier.put("a", b(100, 1))
+    tier.put("b", b(100, 2))
+    lent = tier.borrow_many(["a", "b", "b", "x", "a"], [100, 99, 100, 100, None])
+    assert [x is not None for x in lent] == [True, False, True, False, False]  # wrong size, unknown, unsized
+    assert int(lent[0].buf[0]) == 1 and int(lent[2].buf[0]) == 2
+    tier.put("c", b(100, 3))  # "a" was borrowed before "b": "a" is the least recent and goes
+    assert "a" not in tier and "b" in tier and int(lent[0].buf.max()) == 1  # lent: never reused meanwhile
+    entries = [lent[0]._entry, lent[2]._entry]
+    assert [e.readers for e in entries] == [1, 1]
+    tier.release_many([x for x in lent if x is not None])
+    tier.release_many([lent[0]])  # idempotent, as release()
+    assert [e.readers for e in entries] == [0, 0]
+    assert all(tier.put(k, b(100, 5)).taken for k in "defgh")  # buffers given back: the slabs serve them all
+
+
 def test_copy_helpers_check_sizes_and_round_trip():
     segs = page(7)
     buf = torch.empty(PAGE, dtype=torch.uint8)

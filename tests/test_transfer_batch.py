@@ -242,3 +242,28 @@ def test_copy_out_pieces_must_add_up_to_the_payload(store_path, io_path):
         batchio.read_chunks(x.ns.store.fs.fd, [(x.ns.chunk_relpath(0, KEYS[0]), batchio.pieces_of([dst], trailer),
                                                 [(out.data_ptr(), PAGE - 1)])], False)
     x.close()
+
+
+def test_a_chunk_read_from_the_page_cache_a_step_at_a_time_is_whole_and_verified(store_path, io_path):
+    """Chunks in the page cache are read a step (256 KiB) at a time on the native path, each step
+    checksummed and copied into ``via`` while in cache: pages of several uneven segments that
+    cross step boundaries come back whole in both, and a byte flipped in a late step is a miss."""
+    big = 3 * (256 << 10) + 1000
+    cuts = [5, 300 << 10, 7, 200 << 10]
+    ns = PageStore.open(store_path).namespace(NamespaceSpec("batch/big", "float16", 16, (GroupSpec(0, big, (0,)),)))
+    x = PageTransfer(ns, PosixEngine(threads=1, o_direct=True), threads=3)
+    src = torch.randint(0, 256, (4, big), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    assert [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(4)])] == [SaveStatus.PUBLISHED] * 4
+    path = Path(ns.chunk_path(0, KEYS[3]))
+    raw = bytearray(path.read_bytes())
+    raw[big - 10] ^= 0x01
+    path.write_bytes(bytes(raw))  # through the page cache: every chunk is read from there
+    pages = torch.zeros(4, big, dtype=torch.uint8)
+    vias = torch.full((4, big), 0xAA, dtype=torch.uint8)
+    bounds = [0, *torch.tensor(cuts).cumsum(0).tolist(), big]
+    segments = [[pages[i][a:b] for a, b in zip(bounds, bounds[1:])] for i in range(4)]
+    got = [f.result() for f in x.load_pages(0, [(KEYS[i], segments[i], vias[i]) for i in range(4)])]
+    assert got == [LoadStatus.LOADED] * 3 + [LoadStatus.CORRUPT]
+    for i in range(3):
+        assert torch.equal(pages[i], src[i]) and torch.equal(vias[i], src[i])
+    x.close()

@@ -19,8 +19,9 @@
  *   crc32c_extend). outs (optional, the payload's length in all): where the payload is copied
  *   too once read (the host tier's buffer for the page). The payload is walked once, in
  *   cache-sized steps, each checksummed and then copied (out of staging, into outs) while in
- *   cache. On success the file's mtime is refreshed (eviction ranks by recency) and its atime
- *   left alone (a lookup's lease).
+ *   cache; a chunk wholly in the page cache is read a step at a time, each step checksummed and
+ *   copied while the kernel's copy of it is in cache. On success the file's mtime is refreshed
+ *   (eviction ranks by recency) and its atime left alone (a lookup's lease).
  *   direct: read chunks not wholly in the page cache with O_DIRECT, aligned pieces in place and
  *   the rest through an aligned staging buffer.
  * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads) -> list[err]
@@ -65,6 +66,7 @@
 #define ERR_SHORT (-1)   /* the file ended before every byte was read */
 #define ERR_NOT_REGULAR (-2)
 #define STEP (64 * 1024)  /* bytes checksummed, then copied, while they are in the core's cache */
+#define READ_STEP (256 * 1024)  /* bytes read through the page cache, then checksummed and copied */
 #ifndef SYS_cachestat
 #define SYS_cachestat 451
 #endif
@@ -209,6 +211,48 @@ static uint32_t finish(job_t *j, crc_fn_t crc, int staged, const char *staging) 
     return c;
 }
 
+/* A read through the page cache, a step at a time: each READ_STEP of payload is read into its
+ * piece and, while the kernel's copy of it is still in the core's cache, checksummed and copied
+ * into the job's outs; then the trailer. One pass over memory instead of a read and a second walk
+ * (the payload of a 1 MiB page no longer fits the cache by the time that walk starts). */
+static int read_buffered(int fd, job_t *j, crc_fn_t crc) {
+    cursor_t out = {j->outs, j->nouts, 0, 0};
+    uint32_t c = 0;
+    off_t pos = 0;
+    int last = j->npieces - 1;  /* the trailer: read with the payload's last step */
+    int i = 0;
+    size_t at = 0;              /* within piece i */
+    do {
+        struct iovec v[MAX_PIECES + 1];
+        int n = 0;
+        size_t room = READ_STEP;
+        while (i < last && room) {
+            size_t take = j->pieces[i].iov_len - at < room ? j->pieces[i].iov_len - at : room;
+            v[n].iov_base = (char *)j->pieces[i].iov_base + at;
+            v[n++].iov_len = take;
+            room -= take;
+            at += take;
+            if (at == j->pieces[i].iov_len) {
+                i++;
+                at = 0;
+            }
+        }
+        int payload = n;
+        if (i == last) v[n++] = j->pieces[last];
+        size_t want = total_len(v, n);
+        ssize_t got = move_all(fd, v, n, pos, 0);
+        if (got < 0) return errno;
+        if ((size_t)got < want) return ERR_SHORT;
+        pos += got;
+        for (int k = 0; k < payload; k++) {
+            c = crc(c, v[k].iov_base, v[k].iov_len);
+            if (j->nouts) put_out(&out, v[k].iov_base, v[k].iov_len);
+        }
+    } while (i < last);
+    j->crc = c;
+    return 0;
+}
+
 static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging) {
     int fd = open_beneath(root, j->path, O_RDONLY | O_NONBLOCK, 0);
     if (fd < 0) {
@@ -223,14 +267,19 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
         j->err = ERR_NOT_REGULAR;
     } else {
         size_t want = total_len(j->pieces, j->npieces);
-        if (direct && staging && !cached(fd, want) && fcntl(fd, F_SETFL, O_DIRECT) == 0) {
-            j->err = read_direct(fd, j, staging, &staged);
+        int warm = cached(fd, want);
+        if (warm) {
+            j->err = read_buffered(fd, j, crc);
         } else {
-            ssize_t got = move_all(fd, j->pieces, j->npieces, 0, 0);
-            j->err = got < 0 ? errno : ((size_t)got < want ? ERR_SHORT : 0);
+            if (direct && staging && fcntl(fd, F_SETFL, O_DIRECT) == 0) {
+                j->err = read_direct(fd, j, staging, &staged);
+            } else {  /* one request for the whole chunk: the kernel reads it ahead in one go */
+                ssize_t got = move_all(fd, j->pieces, j->npieces, 0, 0);
+                j->err = got < 0 ? errno : ((size_t)got < want ? ERR_SHORT : 0);
+            }
+            if (j->err == 0) j->crc = finish(j, crc, staged, staging);
         }
         if (j->err == 0) {
-            j->crc = finish(j, crc, staged, staging);
             /* recency: the mtime; the atime is left alone, it may hold a lookup's lease */
             struct timespec now[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
             futimens(fd, now);
