@@ -342,6 +342,49 @@ def test_cold_chunks_are_read_direct_and_cached_ones_from_the_cache(tmp_path: Pa
         direct.close()
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["per-page", "native-batch"])
+def test_a_chunk_missing_only_a_page_from_the_cache_is_read_through_the_cache(tmp_path: Path, native: bool) -> None:
+    """A warm chunk whose last page (the trailer's) was reclaimed is still read through the page
+    cache, which fetches that one page (all of it is resident after), not from the disk whole with
+    O_DIRECT (which would leave that page out); a chunk mostly out of the cache is read direct."""
+    from gdskv.io import batch as batchio
+    from gdskv import format as fmt
+
+    if native and not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    nbytes = 256 * KiB
+    page = _random_bytes(nbytes, seed=6)
+    trailer = os.urandom(128)
+    engine = PosixEngine(threads=1, o_direct=True)
+    total = -(-(nbytes + 128) // 4096)
+    try:
+        for name in ("warm", "cold"):
+            path = str(tmp_path / name)
+            engine.write_now(path, [Segment(0, page), Segment(nbytes, trailer)])
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+                f.read()  # every page cached
+                os.posix_fadvise(f.fileno(), nbytes if name == "warm" else 0, 0, os.POSIX_FADV_DONTNEED)
+        if _resident_pages(str(tmp_path / "warm")) != total - 1 or _resident_pages(str(tmp_path / "cold")):
+            pytest.skip("this file system keeps the file's pages cached after POSIX_FADV_DONTNEED")
+        for name in ("warm", "cold"):
+            back, tail = torch.zeros(nbytes, dtype=torch.uint8), bytearray(128)
+            if native:
+                root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    [got] = engine.read_chunks_now(root, [(name, batchio.pieces_of([back], tail))], 1)
+                finally:
+                    os.close(root)
+                assert got.err == 0 and got.crc == fmt.crc32c_at(page.data_ptr(), nbytes)
+            else:
+                assert engine.read_now(str(tmp_path / name), [Segment(0, back), Segment(nbytes, tail)]) == nbytes + 128
+            assert torch.equal(back, page) and bytes(tail) == trailer
+            resident = _resident_pages(str(tmp_path / name))
+            assert resident == (total if name == "warm" else 0), (name, resident)
+    finally:
+        engine.close()
+
+
 def test_direct_read_of_a_truncated_chunk_is_a_short_read(tmp_path: Path) -> None:
     path = str(tmp_path / "chunk")
     nbytes = 64 * KiB

@@ -19,10 +19,10 @@
  *   crc32c_extend). outs (optional, the payload's length in all): where the payload is copied
  *   too once read (the host tier's buffer for the page). The payload is walked once, in
  *   cache-sized steps, each checksummed and then copied (out of staging, into outs) while in
- *   cache; a chunk wholly in the page cache is read a step at a time, each step checksummed and
+ *   cache; a chunk mostly in the page cache (cached()) is read a step at a time, each step checksummed and
  *   copied while the kernel's copy of it is in cache. On success the file's mtime is refreshed
  *   (eviction ranks by recency) and its atime left alone (a lookup's lease).
- *   direct: read chunks not wholly in the page cache with O_DIRECT, aligned pieces in place and
+ *   direct: read chunks mostly not in the page cache with O_DIRECT, aligned pieces in place and
  *   the rest through an aligned staging buffer.
  * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads) -> list[err]
  *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces), ...]; writes the pieces end to end
@@ -130,11 +130,14 @@ static ssize_t move_all(int fd, struct iovec *iov, int n, off_t offset, int writ
     return done;
 }
 
+/* Whether most of the file's first `len` bytes are in the page cache: at least half its pages.
+ * A chunk with a page or two reclaimed (the trailer's, read least) is still read through the
+ * cache, the kernel fetching just those pages, rather than all of it from the disk. */
 static int cached(int fd, size_t len) {
     struct cachestat_range r = {0, len};
     struct cachestat cs;
     if (syscall(SYS_cachestat, fd, &r, &cs, 0) != 0) return 0;
-    return cs.nr_cache >= (len + 4095) / 4096;
+    return cs.nr_cache * 2 >= (len + 4095) / 4096;
 }
 
 static int aligned(const struct iovec *v) {

@@ -79,7 +79,7 @@ def read_chunks(root_fd: int, jobs: Sequence[tuple], direct: bool, threads: int 
     ``(rel, pieces, outs)``) into its pieces and checksum the payload, on ``threads`` native
     threads; ``outs``, pieces of the payload's length in all, get a copy of the payload (made
     step by step right after each step is checksummed, while in cache). ``direct``: chunks not
-    wholly in the page cache are read with O_DIRECT (aligned pieces in place, the rest staged in
+    mostly in the page cache are read with O_DIRECT (aligned pieces in place, the rest staged in
     ``staging``, ``(address, length)`` of ``staging_need`` aligned bytes, huge-page backed where
     possible). Called by ``PosixEngine``."""
     out = [ReadResult(err, crc) for err, crc in
