@@ -518,42 +518,43 @@ class KvService:
         verified payload, becomes its entry (a page without one is copied in), any other's is
         given back; then the slice is counted at once. ``results`` is None when the slice raised."""
         loaded = 0
+        puts: list[tuple[Put, int]] = []
         for k, (_, key, segments, slot) in enumerate(done):
             ok = results is not None and results[k] is LoadStatus.LOADED
             loaded += ok
             if slot is not None and ok:
-                self._counted_put(self.host.commit(slot), rank, slot.buf.numel())
+                puts.append((self.host.commit(slot), slot.buf.numel()))
             elif slot is not None:
                 self.host.abort(slot)
             elif ok and self.host is not None:
-                self._fill(rank, group, key, segments)
+                puts.append(self._fill(key=(rank, group, key), segments=segments))
         for _, _, _, slot in skipped:
             if slot is not None:
                 self.host.abort(slot)
         finished = len(done) + len(skipped)
         self._observe("load", rank, finished, t0)
-        with self._lock:
-            self._inflight -= finished
-            self._add({"loads_loaded": loaded, "bytes_loaded": loaded * nbytes, "loads_failed": finished - loaded})
+        self._count_puts(rank, puts, {"loads_loaded": loaded, "bytes_loaded": loaded * nbytes,
+                                      "loads_failed": finished - loaded}, finished)
 
     def _saves_finished(self, rank: int, group: int, done: list[tuple[bytes, Optional[bytes], list[Any]]],
                         results: Optional[list[Any]], skipped: int, nbytes: int, t0: float) -> None:
         """A slice of saves finished (as ``_loads_finished``): a PUBLISHED page is copied into
         the host tier (write-through), and the slice is counted at once."""
         published = existing = 0
+        puts: list[tuple[Put, int]] = []
         for k, (key, _, segments) in enumerate(done):
             status = None if results is None else results[k]
             if status is SaveStatus.PUBLISHED:
                 published += 1
-                self._fill(rank, group, key, segments)
+                if self.host is not None:
+                    puts.append(self._fill(key=(rank, group, key), segments=segments))
             elif status is SaveStatus.EXISTS:
                 existing += 1
         finished = len(done) + skipped
         self._observe("save", rank, finished, t0)
-        with self._lock:
-            self._inflight -= finished
-            self._add({"saves_published": published, "bytes_saved": published * nbytes, "saves_existing": existing,
-                       "saves_dropped": finished - published - existing})
+        self._count_puts(rank, puts, {"saves_published": published, "bytes_saved": published * nbytes,
+                                      "saves_existing": existing, "saves_dropped": finished - published - existing},
+                         finished)
 
     def _observe(self, op: str, rank: int, pages: int, t0: float) -> None:
         """``pages`` of ``op`` took since ``t0`` (the latency histogram, where metrics are on)."""
@@ -562,28 +563,35 @@ class KvService:
             for _ in range(pages):
                 self.metrics.observe(op, self.namespaces[rank], took)
 
-    def _counted_put(self, put: Put, rank: int, size: int) -> None:
-        if not put.taken:
-            return
-        self._count(host_fills=1, host_fill_bytes=size, host_evictions=put.evicted, host_evicted_bytes=put.evicted_bytes)
-        shared = self.namespaces[rank].counters
-        shared.add("host_fills")
-        if put.evicted:
-            shared.add("host_evictions", put.evicted)
-            shared.add("host_evicted_bytes", put.evicted_bytes)
+    def _count_puts(self, rank: int, puts: list[tuple[Put, int]], counts: dict[str, int], finished: int) -> None:
+        """A finished slice's counts and its pages' host-tier puts (``(put, bytes)``), counted at
+        once: the service's counters under one lock, the namespace's shared ones once per name."""
+        taken = [(put, size) for put, size in puts if put.taken]
+        evicted = sum(put.evicted for put, _ in taken)
+        if taken:
+            counts.update(host_fills=len(taken), host_fill_bytes=sum(size for _, size in taken), host_evictions=evicted,
+                          host_evicted_bytes=sum(put.evicted_bytes for put, _ in taken))
+        with self._lock:
+            self._inflight -= finished
+            self._add(counts)
+        if taken:
+            shared = self.namespaces[rank].counters
+            shared.add("host_fills", len(taken))
+            if evicted:
+                shared.add("host_evictions", evicted)
+                shared.add("host_evicted_bytes", counts["host_evicted_bytes"])
 
-    def _fill(self, rank: int, group: int, key: bytes, segments: list[Any]) -> None:
+    def _fill(self, key: tuple[int, int, bytes], segments: list[Any]) -> tuple[Put, int]:
         """Copy a page into the host tier (a save just published it; a load just verified it),
-        on the transfer's thread before the caller sees the page done, so it is still unchanged.
-        Never raises: a page not taken is only a later miss."""
-        if self.host is None:
-            return
+        on the transfer's thread before the caller sees the page done, so it is still unchanged;
+        the put and the page's bytes, for ``_count_puts``. Never raises: a page not taken is only
+        a later miss."""
+        size = payload_nbytes(segments) or 0
         try:
-            put = self.host.put((rank, group, key), segments)
+            return self.host.put(key, segments), size
         except Exception as e:
             log.warning("gdskv: a page was not copied into the host tier: %s", e)
-            return
-        self._counted_put(put, rank, payload_nbytes(segments) or 0)
+            return Put(), size
 
     @property
     def in_flight(self) -> int:
