@@ -19,9 +19,9 @@
  *   crc32c_extend). outs (optional, the payload's length in all): where the payload is copied
  *   too once read (the host tier's buffer for the page). The payload is walked once, in
  *   cache-sized steps, each checksummed and then copied (out of staging, into outs) while in
- *   cache; a chunk mostly in the page cache (cached()) is read a step at a time, each step checksummed and
- *   copied while the kernel's copy of it is in cache. On success the file's mtime is refreshed
- *   (eviction ranks by recency) and its atime left alone (a lookup's lease).
+ *   cache; a chunk mostly in the page cache (cached()) is read a step at a time, each step
+ *   checksummed and copied while the kernel's copy of it is in cache. On success the file's
+ *   mtime is refreshed (eviction ranks by recency) and its atime left alone (a lookup's lease).
  *   direct: read chunks mostly not in the page cache with O_DIRECT, aligned pieces in place and
  *   the rest through an aligned staging buffer.
  * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads) -> list[err]
