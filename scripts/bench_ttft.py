@@ -22,9 +22,11 @@ Every run must give the computed run's first token and logits bit for bit (else 
 Decode: a batch of requests decodes on one engine with gdskv; rounds rotate between no saves and,
 per ``--save-rates``, a saver thread that saves fresh pages through the same ``KvService`` (its
 I/O threads, checksums, host tier write-through) at that rate for the whole round (up to
-``io_threads`` in flight; 0: as fast as they go), as the offload of other requests' KV would. A
-step counts as a decode step when every request it schedules computes one token; its time runs
-from its ``build_connector_meta`` to the next one.
+``io_threads`` in flight; 0: as fast as they go), as the offload of other requests' KV would,
+keeping its last 2 GiB of chunks on disk and removing older ones as it goes (unbounded, rounds at
+disk speed once left 45 GB behind, the disk full, and the next section failed). A step counts as
+a decode step when every request it schedules computes one token; its time runs from its
+``build_connector_meta`` to the next one.
 
 Page loads through ``KvService`` on torch CPU tensor pools, per page size: cold (page cache
 dropped), warm, cold with the tier filling, and hot (host tier), GB/s and ratios.
@@ -96,19 +98,27 @@ class TimedScheduler(GdsKvScheduler):
         return out, flight
 
 
+SAVER_KEEP_BYTES = 2 << 30
+"""Bytes of the decode section saver's chunks kept on disk at most (see ``Saver``)."""
+
+
 class Saver(threading.Thread):
     """Saves fresh pages through ``service`` until ``stop()``: ``rate`` bytes per second at most,
-    with up to ``depth`` saves in flight (``rate`` 0: as fast as they go)."""
+    with up to ``depth`` saves in flight (``rate`` 0: as fast as they go). The chunks it published
+    beyond the last ``keep_bytes`` are removed as it goes (the oldest first, as a budget would
+    evict them), so a long round at disk speed cannot fill the disk."""
 
-    def __init__(self, service: KvService, depth: int, rate: int) -> None:
+    def __init__(self, service: KvService, depth: int, rate: int, keep_bytes: int = SAVER_KEEP_BYTES) -> None:
         super().__init__(name="bench-saver", daemon=True)
         self.service, self.depth, self.rate = service, depth, rate
         self.page = torch.randint(0, 256, (service.bytes_per_page(service.group_ids[0]),), dtype=torch.uint8)
+        self.keep = max(1, keep_bytes // self.page.numel())
         self.published = 0
         self._stop_flag = threading.Event()
 
     def run(self) -> None:
         inflight: deque = deque()
+        kept: deque = deque()
         group = self.service.group_ids[0]
         start, posted = time.perf_counter(), 0
         while not self._stop_flag.is_set() or inflight:
@@ -117,10 +127,20 @@ class Saver(threading.Thread):
                     if not inflight:
                         self._stop_flag.wait(0.002)
                     break
-                inflight.append(self.service.save(group, os.urandom(32), None, [self.page]))
+                key = os.urandom(32)
+                inflight.append((key, self.service.save(group, key, None, [self.page])))
                 posted += 1
-            if inflight and inflight.popleft().result() is SaveStatus.PUBLISHED:
+            if not inflight:
+                continue
+            key, fut = inflight.popleft()
+            if fut.result() is SaveStatus.PUBLISHED:
                 self.published += 1
+                kept.append(key)
+                while len(kept) > self.keep:
+                    try:
+                        os.unlink(self.service.namespace.chunk_path(group, kept.popleft()))
+                    except FileNotFoundError:
+                        pass
 
     def stop(self) -> None:
         self._stop_flag.set()

@@ -40,3 +40,31 @@ def test_a_toy_run_reports_every_section(tmp_path):
 def test_a_bad_length_is_one_line():
     run = subprocess.run([sys.executable, str(SCRIPT), "--lengths", "lots"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and "--lengths" in run.stderr
+
+
+def test_the_saver_keeps_only_its_last_chunks_on_disk(tmp_path):
+    """The decode section's saver, saving as fast as it goes, removes its older chunks beyond
+    ``keep_bytes`` (a round at disk speed once filled the disk): more pages published than kept."""
+    import time
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_ttft
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    from gdskv.config import GdsKvConfig
+    from gdskv.service import KvService
+    from gdskv.store import GroupSpec, NamespaceSpec
+
+    page = 64 << 10
+    svc = KvService(GdsKvConfig(store_path=str(tmp_path / "store"), host_bytes=0),
+                    NamespaceSpec(model="saver", dtype="uint8", tokens_per_block=1, groups=(GroupSpec(0, page, (0,)),)))
+    saver = bench_ttft.Saver(svc, depth=4, rate=0, keep_bytes=4 * page)
+    saver.start()
+    deadline = time.monotonic() + 30
+    while saver.published < 40 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    saver.stop()
+    chunks = [p for p in (tmp_path / "store").rglob("*") if p.is_file() and p.name.isdigit()]
+    assert saver.published >= 40 and len(chunks) == 4
+    svc.close()
