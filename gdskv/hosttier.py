@@ -131,13 +131,7 @@ class HostTier:
         """The payload of ``key`` when the tier holds one of exactly ``nbytes`` (it becomes the most
         recent entry), else None. The buffer is the caller's until ``release()`` (or the end of a
         ``with`` block): an eviction meanwhile never hands it to another entry."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry.buf.numel() != nbytes:
-                return None
-            self._entries.move_to_end(key)
-            entry.readers += 1
-        return Borrowed(self, entry)
+        return self.borrow_many([key], [nbytes])[0]
 
     def borrow_many(self, keys: Sequence[Hashable], sizes: Sequence[Optional[int]]) -> list[Optional["Borrowed"]]:
         """``borrow`` of a step's pages under one lock (a size of None is a miss)."""
@@ -154,7 +148,7 @@ class HostTier:
         return out
 
     def release_many(self, lent: Sequence["Borrowed"]) -> None:
-        """``release()`` of each, under one lock."""
+        """``release()`` of each, under one lock (each ``Borrowed.release`` comes here too)."""
         entries = []
         for b in lent:
             if b._tier is not None:
@@ -167,13 +161,6 @@ class HostTier:
                 if entry.gone and entry.readers == 0:
                     last.append(entry)
         for entry in last:
-            self._memory.give(entry.buf, entry.slab)
-
-    def _release(self, entry: "_Entry") -> None:
-        with self._lock:
-            entry.readers -= 1
-            last = entry.gone and entry.readers == 0
-        if last:
             self._memory.give(entry.buf, entry.slab)
 
     def _drop(self, entry: "_Entry") -> None:
@@ -299,8 +286,7 @@ class Borrowed:
 
     def release(self) -> None:
         if self._tier is not None:
-            tier, self._tier = self._tier, None
-            tier._release(self._entry)
+            self._tier.release_many([self])
 
     def __enter__(self) -> torch.Tensor:
         return self.buf

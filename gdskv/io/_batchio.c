@@ -131,8 +131,8 @@ static ssize_t move_all(int fd, struct iovec *iov, int n, off_t offset, int writ
 }
 
 /* Whether most of the file's first `len` bytes are in the page cache: at least half its pages.
- * A chunk with a page or two reclaimed (the trailer's, read least) is still read through the
- * cache, the kernel fetching just those pages, rather than all of it from the disk. */
+ * A chunk with a page or two reclaimed (seen: its last, partial page, which holds the trailer)
+ * is still read through the cache, the kernel fetching just those pages, not all of it from disk. */
 static int cached(int fd, size_t len) {
     struct cachestat_range r = {0, len};
     struct cachestat cs;
