@@ -51,7 +51,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import torch
 
@@ -703,9 +703,17 @@ def _page_size(text: str) -> int:
     return n
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that answers a usage mistake with one line on stderr and exit status 2 (no usage
+    block: ``--help`` has it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool]:
     """The options, and whether to print JSON."""
-    parser = argparse.ArgumentParser(prog="gdskv bench", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="gdskv bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure "
                         "(a temporary subdirectory is created and removed); default: the system temp directory "
                         "(under gdskv bench: the directory that holds the store)")

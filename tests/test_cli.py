@@ -430,3 +430,12 @@ def test_bring_up_cleans_a_dead_writers_temp_file_in_the_background(tmp_path):
     fresh.write_bytes(b"still young")
     collect_in_background(store).join(30)
     assert not leftover.exists() and fresh.exists()
+
+
+def test_bench_answers_a_bad_option_with_one_line(tmp_path: Path) -> None:
+    for args, said in ((("--page-size", "3K"), "page size must be a multiple of 512 bytes"),
+                       (("--rounds", "0"), "--rounds must be at least 1"),
+                       (("--peers", "sglang"), "unknown peer 'sglang'")):
+        res = gdskv(tmp_path / "store", "bench", "--", *args)
+        assert res.returncode == 2 and res.stdout == "", res
+        assert res.stderr.count("\n") == 1 and res.stderr.startswith("gdskv bench: ") and said in res.stderr, res.stderr
