@@ -246,11 +246,11 @@ class PageTransfer:
             work.append((rel_dir, tmp, name, batchio.pieces_of(segments, trailer)))
             native.append(i)
         if work:
-            errs = engine.write_chunks_now(ns.store.fs.fd, work, threads)
+            errs = engine.write_chunks_now(ns.store.fs.fd, work, threads, ns.store.fs.dir_mode)
             published = 0
             for i, err in zip(native, errs):
                 key, parent, segments = jobs[i]
-                if err:  # a missing directory, a full disk, something in the way: the per-page path sorts it out
+                if err:  # a full disk, something in the way: the per-page path sorts it out
                     out[i] = self._save_admitted(group, key, parent, segments, ns.chunk_path(group, key), expected)
                     continue
                 published += 1

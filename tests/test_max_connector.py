@@ -319,9 +319,9 @@ class GatedEngine(PosixEngine):
         self.gate.wait(10)
         return super().read_chunks_now(root_fd, jobs, threads)
 
-    def write_chunks_now(self, root_fd, jobs, threads=1):
+    def write_chunks_now(self, root_fd, jobs, threads=1, dir_mode=None):
         self.gate.wait(10)
-        return super().write_chunks_now(root_fd, jobs, threads)
+        return super().write_chunks_now(root_fd, jobs, threads, dir_mode)
 
 
 def test_transfers_are_asynchronous_and_publish_only_when_written(store_path):

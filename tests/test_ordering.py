@@ -148,9 +148,9 @@ class LoggingEngine:
         self._fake.note("io")
         return self._inner.read_chunks_now(root_fd, jobs, threads)
 
-    def write_chunks_now(self, root_fd, jobs, threads=1):
+    def write_chunks_now(self, root_fd, jobs, threads=1, dir_mode=None):
         self._fake.note("io")
-        return self._inner.write_chunks_now(root_fd, jobs, threads)
+        return self._inner.write_chunks_now(root_fd, jobs, threads, dir_mode)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -343,9 +343,9 @@ class HeldEngine:
         assert self.go.wait(10)
         return self._inner.write_now(path, segments)
 
-    def write_chunks_now(self, root_fd, jobs, threads=1):
+    def write_chunks_now(self, root_fd, jobs, threads=1, dir_mode=None):
         assert self.go.wait(10)
-        return self._inner.write_chunks_now(root_fd, jobs, threads)
+        return self._inner.write_chunks_now(root_fd, jobs, threads, dir_mode)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

@@ -179,6 +179,51 @@ def test_direct_saves_of_an_unaligned_pool_write_whole_blocks_past_the_page_cach
     x.close()
 
 
+def test_first_saves_into_a_new_store_make_its_directories_with_the_stores_mode_without_the_per_page_path(
+        store_path, io_path, monkeypatch):
+    """A new store has none of its chunk directories (4096 per layer group): the native path
+    makes each missing one itself, with the store's directory mode whatever the umask, instead of
+    sending the page to the per-page path (Python per page) to make it."""
+    ns = PageStore.open(store_path, file_mode=0o640, dir_mode=0o750).namespace(
+        NamespaceSpec("batch/m", "float16", 16, (GroupSpec(0, PAGE, (0,)),)))
+    x = PageTransfer(ns, PosixEngine(threads=1, o_direct=True), threads=2)
+    made = []
+    real = ns.store.fs.makedirs
+    monkeypatch.setattr(ns.store.fs, "makedirs", lambda path: (made.append(path), real(path))[1])
+    old = os.umask(0o077)
+    try:
+        src = pool(12, 8)
+        assert [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(12)])] == \
+            [SaveStatus.PUBLISHED] * 12
+    finally:
+        os.umask(old)
+    dirs = {os.path.dirname(x.ns.chunk_path(0, KEYS[i])) for i in range(12)}
+    assert len(dirs) > 1
+    for d in dirs:
+        assert os.stat(d).st_mode & 0o777 == 0o750
+        assert os.stat(os.path.dirname(d)).st_mode & 0o777 == 0o750
+    if io_path == "native":
+        assert made == [], "pages went to the per-page path to make their directories"
+    dst = torch.zeros(12, PAGE, dtype=torch.uint8)
+    assert [f.result() for f in x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(12)])] == [LoadStatus.LOADED] * 12
+    assert torch.equal(src, dst)
+    x.close()
+
+
+def test_a_link_where_chunk_directories_belong_is_never_followed_to_make_them(store_path, io_path, tmp_path):
+    x = make(store_path)
+    chunk_dir = os.path.dirname(x.ns.chunk_path(0, KEYS[0]))
+    parent = os.path.dirname(chunk_dir)  # .../c/<hi>: its parent .../c made, then a link in its place
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.makedirs(os.path.dirname(parent), exist_ok=True)
+    os.symlink(outside, parent)
+    statuses = [f.result() for f in x.save_pages(0, [(KEYS[0], None, [pool(1, 9)[0]])])]
+    assert statuses == [SaveStatus.DROPPED]
+    assert list(outside.iterdir()) == []
+    x.close()
+
+
 def test_an_empty_batch_is_no_futures(store_path):
     x = make(store_path)
     assert x.load_pages(0, []) == [] and x.save_pages(0, []) == []

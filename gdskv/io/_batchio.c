@@ -24,9 +24,12 @@
  *   mtime is refreshed (eviction ranks by recency) and its atime left alone (a lookup's lease).
  *   direct: read chunks mostly not in the page cache with O_DIRECT, aligned pieces in place and
  *   the rest through an aligned staging buffer.
- * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads) -> list[err]
+ * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads, ..., dir_mode, dir_chmod)
+ *   -> list[err]
  *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces), ...]; writes the pieces end to end
- *   into dir/tmp (created exclusively), optionally fsyncs it, and renames it to dir/name.
+ *   into dir/tmp (created exclusively), optionally fsyncs it, and renames it to dir/name. A
+ *   missing dir is made first, with its parents (dir_mode, or -1: ENOENT instead), so the first
+ *   saves into a new store take this path too.
  *   direct: the file's whole 4 KiB blocks go out with O_DIRECT (from the pieces where they are
  *   aligned, else from an aligned staging copy) and, once that write returned, the rest (the
  *   payload's last partial block and the trailer) through the page cache; the file is
@@ -39,10 +42,10 @@
  *   lookup runs on up to PATH_THREADS threads (one per PATHS_PER_THREAD paths).
  * copy_many(copies, threads): host-memory copies [(dst, src, length), ...] in 1 MiB pieces on
  *   that many threads, the GIL released (host-tier hits into plain host memory).
- * staging, staging_len (the last two arguments of both): the caller's aligned memory for those
- *   buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an O_DIRECT request
- *   into 4 KiB pages is cut at the queue's segment limit (254 pages on the disks measured), one
- *   into huge pages is not. Where it is too small (or 0), each thread allocates its own.
+ * staging, staging_len (the two arguments after threads, in both): the caller's aligned memory
+ *   for those buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an
+ *   O_DIRECT request into 4 KiB pages is cut at the queue's segment limit (254 pages on the
+ *   disks measured), one into huge pages is not. Where it is too small (or 0), each thread allocates its own.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -345,8 +348,56 @@ static int write_rest(int fd, job_t *j, size_t from) {
     return put < 0 ? errno : ((size_t)put != want ? EIO : 0);
 }
 
-static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sync, int direct, char *staging) {
+/* The directory `rel` beneath the root and its missing parents, made with `mode` (exactly, when
+ * `do_chmod`), each opened beneath the root without following a link, as
+ * gdskv.confined.ConfinedDir.makedirs does; 0, or an errno. Threads making the same one race
+ * harmlessly (EEXIST). */
+static int make_dirs(int root, const char *rel, int mode, int do_chmod) {
+    char path[4096];
+    size_t len = strlen(rel);
+    if (len == 0 || len >= sizeof path) return ENAMETOOLONG;
+    memcpy(path, rel, len + 1);
+    for (size_t end = 0; end <= len; end++) {
+        if (path[end] != '/' && path[end] != 0) continue;
+        if (end == 0 || path[end - 1] == '/') return EINVAL;
+        path[end] = 0;
+        char *slash = strrchr(path, '/');
+        const char *name = slash ? slash + 1 : path;
+        if (slash) *slash = 0;
+        int pfd = open_beneath(root, slash ? path : ".", O_PATH | O_DIRECTORY, 0);
+        if (slash) *slash = '/';
+        int err = 0;
+        if (pfd < 0) {
+            err = errno;
+        } else {
+            if (mkdirat(pfd, name, (mode_t)mode) == 0) {
+                if (do_chmod) {
+                    int fd = openat(pfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+                    if (fd < 0 || fchmod(fd, (mode_t)mode) != 0) err = errno;
+                    if (fd >= 0) close(fd);
+                }
+            } else if (errno != EEXIST) {
+                err = errno;
+            }
+            close(pfd);
+        }
+        if (end < len) path[end] = '/';
+        if (err) return err;
+    }
+    return 0;
+}
+
+static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sync, int direct, char *staging,
+                      int dir_mode, int dir_chmod) {
     int dfd = open_beneath(root, j->path, O_PATH | O_DIRECTORY, 0);
+    if (dfd < 0 && errno == ENOENT && dir_mode >= 0) {
+        int err = make_dirs(root, j->path, dir_mode, dir_chmod);
+        if (err) {
+            j->err = err;
+            return;
+        }
+        dfd = open_beneath(root, j->path, O_PATH | O_DIRECTORY, 0);
+    }
     if (dfd < 0) {
         j->err = errno;
         return;
@@ -386,6 +437,7 @@ typedef struct {
     Py_ssize_t n;
     Py_ssize_t next;  /* taken with __atomic_fetch_add */
     int writes, root, direct, file_mode, do_chmod, do_sync;
+    int dir_mode, dir_chmod;  /* writes: missing directories are made with dir_mode (-1: not made) */
     crc_fn_t crc;
     size_t staging_bytes;  /* per thread */
     char *ext;             /* the caller's staging memory (huge-page or pinned), or NULL */
@@ -404,7 +456,8 @@ static void *run_batch(void *arg) {
     for (;;) {
         Py_ssize_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
         if (i >= b->n) break;
-        if (b->writes) write_one(b->root, &b->jobs[i], b->file_mode, b->do_chmod, b->do_sync, b->direct, staging);
+        if (b->writes) write_one(b->root, &b->jobs[i], b->file_mode, b->do_chmod, b->do_sync, b->direct, staging,
+                                b->dir_mode, b->dir_chmod);
         else read_one(b->root, &b->jobs[i], b->crc, b->direct, staging);
     }
     free(own);
@@ -552,7 +605,7 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
     Py_ssize_t n;
     job_t *jobs = parse_jobs(list, &n, 0);
     if (!jobs) return NULL;
-    batch_t b = {jobs, n, 0, 0, root, direct, 0, 0, 0, (crc_fn_t)(uintptr_t)crc_addr, 0,
+    batch_t b = {jobs, n, 0, 0, root, direct, 0, 0, 0, -1, 0, (crc_fn_t)(uintptr_t)crc_addr, 0,
                  (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
     Py_BEGIN_ALLOW_THREADS
     run_threads(&b, threads);
@@ -571,16 +624,16 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
 }
 
 static PyObject *write_chunks(PyObject *self, PyObject *args) {
-    int root, file_mode, do_chmod, do_sync, direct, threads;
+    int root, file_mode, do_chmod, do_sync, direct, threads, dir_mode, dir_chmod;
     PyObject *list;
     unsigned long long ext_addr;
     Py_ssize_t ext_len;
-    if (!PyArg_ParseTuple(args, "iOipppiKn", &root, &list, &file_mode, &do_chmod, &do_sync, &direct, &threads,
-                          &ext_addr, &ext_len)) return NULL;
+    if (!PyArg_ParseTuple(args, "iOipppiKnip", &root, &list, &file_mode, &do_chmod, &do_sync, &direct, &threads,
+                          &ext_addr, &ext_len, &dir_mode, &dir_chmod)) return NULL;
     Py_ssize_t n;
     job_t *jobs = parse_jobs(list, &n, 1);
     if (!jobs) return NULL;
-    batch_t b = {jobs, n, 0, 1, root, direct, file_mode, do_chmod, do_sync, NULL, 0,
+    batch_t b = {jobs, n, 0, 1, root, direct, file_mode, do_chmod, do_sync, dir_mode, dir_chmod, NULL, 0,
                  (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
     Py_BEGIN_ALLOW_THREADS
     run_threads(&b, threads);

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterable, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -101,9 +101,11 @@ class IoEngine(abc.ABC):
         raise NotImplementedError
 
     def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[tuple[int, int]]]],
-                         threads: int = 1) -> list[int]:
+                         threads: int = 1, dir_mode: Optional[int] = None) -> list[int]:
         """Write and publish whole chunk files beneath ``root_fd`` from host memory before
-        returning: an errno per job, 0 when published (see ``read_chunks_now``)."""
+        returning: an errno per job, 0 when published (see ``read_chunks_now``). ``dir_mode``:
+        a chunk's missing directory is made (with its parents) with this mode; None: that job
+        fails with ``ENOENT``."""
         raise NotImplementedError
 
     def register_buffers(self, tensors: Iterable[torch.Tensor]) -> int:

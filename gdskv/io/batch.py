@@ -90,15 +90,20 @@ def read_chunks(root_fd: int, jobs: Sequence[tuple], direct: bool, threads: int 
 
 
 def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piece]]], file_mode: int,
-                 chmod: bool, sync: bool, direct: bool, threads: int = 1, staging: Piece = (0, 0)) -> list[int]:
+                 chmod: bool, sync: bool, direct: bool, threads: int = 1, staging: Piece = (0, 0),
+                 dir_mode: Optional[int] = None, dir_chmod: bool = False) -> list[int]:
     """Write each job's pieces into ``dir/tmp`` (created exclusively with ``file_mode``;
     ``chmod``: set the mode again where the umask may have stripped it), ``fsync`` it when
     ``sync``, and rename it to ``dir/name``, on ``threads`` native threads; an errno per job (0:
     published). ``direct``: the chunk's whole 4 KiB blocks with O_DIRECT (staged when the pieces
     are not aligned, in ``staging`` as for ``read_chunks``), the rest after them through the page
-    cache. A failed job leaves no file behind. Called by ``PosixEngine``."""
+    cache. ``dir_mode``: a missing ``dir`` is made, with its parents, with that mode (set again
+    when ``dir_chmod``), each resolved beneath the root without following a link; None: the job
+    fails with ``ENOENT``.
+    A failed job leaves no file behind. Called by ``PosixEngine``."""
     errs = _batchio.write_chunks(root_fd, [(d.encode(), t.encode(), n.encode(), p) for d, t, n, p in jobs],
-                                 file_mode, chmod, sync, direct, threads, *staging)
+                                 file_mode, chmod, sync, direct, threads, *staging,
+                                 -1 if dir_mode is None else dir_mode, dir_chmod)
     _note(errs)
     return errs
 

@@ -100,12 +100,13 @@ class PosixEngine(IoEngine):
             return batchio.read_chunks(root_fd, jobs, True, threads, staging)
 
     def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[batchio.Piece]]],
-                         threads: int = 1) -> list[int]:
+                         threads: int = 1, dir_mode: Optional[int] = None) -> list[int]:
         mode, chmod = self.file_mode, umask_may_strip(self.file_mode)
+        dirs = {"dir_mode": dir_mode, "dir_chmod": dir_mode is not None and umask_may_strip(dir_mode)}
         if not self.o_direct:
-            return batchio.write_chunks(root_fd, jobs, mode, chmod, self.fsync, False, threads)
+            return batchio.write_chunks(root_fd, jobs, mode, chmod, self.fsync, False, threads, **dirs)
         with self._batch_staging(batchio.chunk_sizes(jobs, 3), threads) as staging:
-            return batchio.write_chunks(root_fd, jobs, mode, chmod, self.fsync, True, threads, staging)
+            return batchio.write_chunks(root_fd, jobs, mode, chmod, self.fsync, True, threads, staging, **dirs)
 
     @contextlib.contextmanager
     def _batch_staging(self, chunk_sizes: Sequence[int], threads: int) -> Iterator[batchio.Piece]:
