@@ -433,9 +433,11 @@ class PageTransfer:
                     threads: int = 1) -> list[LoadStatus]:
         """``_load`` for a slice of pages through the native batch path: one call opens, reads
         and checksums every chunk with the GIL released, on ``threads`` native threads (a page
-        with a ``via`` buffer gets a copy of its payload there, in the same pass); the trailers are
-        verified here. A page the batch path cannot take, or that fails in it (missing, short,
-        corrupt, refused), goes through ``_load``, which classifies and counts it."""
+        with a ``via`` buffer gets a copy of its payload there, in the same pass) and, without an
+        auth key, verifies each trailer against what this page's must say
+        (``batchio.expectation``); a trailer it did not verify is checked here. A page the batch
+        path cannot take, or that fails in it (missing, short, corrupt, refused), goes through
+        ``_load``, which classifies and counts it."""
         ns = self.ns
         fs = ns.store.fs
         budget = ns.store.budget
@@ -452,10 +454,12 @@ class PageTransfer:
                 out[i] = self._load(group, key, segments, via)
                 continue
             through = None
-            if via is not None and via.numel() * via.element_size() == sum(n for _, n in pieces[:-1]):
+            nbytes = sum(n for _, n in pieces[:-1])
+            if via is not None and via.numel() * via.element_size() == nbytes:
                 through = [(via.data_ptr(), via.numel())]
-            work.append((ns.chunk_relpath(group, key), pieces) if through is None else
-                        (ns.chunk_relpath(group, key), pieces, through))
+            expect = None if self._auth_key is not None or len(key) not in (8, 32) else \
+                batchio.expectation(group, nbytes, ns.store_key(group, key), key)
+            work.append((ns.chunk_relpath(group, key), pieces, through, expect))
             trailers.append(trailer)
             native.append(i)
             if through is None and via is not None:
@@ -473,9 +477,9 @@ class PageTransfer:
             for i, trailer, result in zip(native, trailers, results):
                 key, segments, via = jobs[i]
                 nbytes = sum(t.numel() * t.element_size() for t in segments)
-                if result.err == 0 and checksum.check_crc(trailer, segments, result.crc, group=group,
-                                                          store_key=ns.store_key(group, key), block_key=key,
-                                                          nbytes=nbytes, auth_key=self._auth_key) is None:
+                if result.err == 0 and (result.verified or checksum.check_crc(
+                        trailer, segments, result.crc, group=group, store_key=ns.store_key(group, key), block_key=key,
+                        nbytes=nbytes, auth_key=self._auth_key) is None):
                     loaded += 1
                     nbytes_loaded += nbytes
                     out[i] = LoadStatus.LOADED

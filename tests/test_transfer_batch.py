@@ -289,6 +289,72 @@ def test_copy_out_pieces_must_add_up_to_the_payload(store_path, io_path):
     x.close()
 
 
+def test_a_trailer_is_verified_natively_only_where_the_python_check_accepts_it(store_path, io_path):
+    """The native read verifies a chunk's trailer itself (``expect``) and the Python check is
+    skipped for the chunks it verified: so it must never verify one that ``check_crc`` refuses.
+    Each trailer below is well formed (its own checksum right) but says something else."""
+    if io_path != "native":
+        pytest.skip("trailer verification is part of the native batch path only")
+    import dataclasses
+
+    from gdskv import checksum
+    from gdskv import format as fmt
+
+    x = make(store_path)
+    src = pool(1, 10)[0]
+    key, ns = KEYS[0], x.ns
+    assert x.save_pages(0, [(key, None, [src])])[0].result() is SaveStatus.PUBLISHED
+    path, fd = ns.chunk_path(0, key), ns.store.fs.fd
+    with open(path, "rb") as f:
+        payload, good = f.read(PAGE), fmt.unpack(f.read())
+    crc, skey = fmt.crc32c(payload), ns.store_key(0, key)
+    assert good.payload_crc == crc and good.store_key == skey
+    other = bytes(32 - i for i in range(32))
+    variants = {
+        "as saved": good,
+        "with a parent": dataclasses.replace(good, parent_key=KEYS[1]),
+        "another group": dataclasses.replace(good, layer_group=1),
+        "another length": dataclasses.replace(good, payload_nbytes=PAGE - 1),
+        "another store key": dataclasses.replace(good, store_key=other),
+        "another block key": dataclasses.replace(good, block_key=other),
+        "a short block key": dataclasses.replace(good, block_key=key[:8]),
+        "another checksum": dataclasses.replace(good, payload_crc=crc ^ 1),
+        "a checksum past 32 bits": dataclasses.replace(good, payload_crc=crc | 1 << 32),
+        "the device checksum": dataclasses.replace(good, checksum_algo=fmt.CHECKSUM_POLY),
+        "a MAC": dataclasses.replace(good, store_key=None, mac=other),
+        "version 1": dataclasses.replace(good, version=1),
+    }
+    raw = {name: fmt.pack(t) for name, t in variants.items()}
+
+    def edited(at: int, value: int) -> bytes:  # one byte changed, the trailer's own checksum made right again
+        b = bytearray(raw["as saved"])
+        b[at] |= value
+        b[20:24] = bytes(4)
+        b[20:24] = fmt.crc32c(bytes(b)).to_bytes(4, "little")
+        return bytes(b)
+
+    raw["non-zero padding"] = edited(127, 1)
+    raw["a reserved flag"] = edited(10, 0x20)
+    raw["the MAC flag over the store key"] = edited(10, fmt.FLAG_AUTHENTICATED)
+    verdicts = {}
+    for name, trailer_bytes in raw.items():
+        with open(path, "wb") as f:
+            f.write(payload + trailer_bytes)
+        dst, trailer = torch.zeros(PAGE, dtype=torch.uint8), bytearray(128)
+        expect = batchio.expectation(0, PAGE, skey, key)
+        [result] = batchio.read_chunks(fd, [(ns.chunk_relpath(0, key), batchio.pieces_of([dst], trailer), None, expect)],
+                                       False)
+        assert result.err == 0 and result.crc == crc
+        python_says = checksum.check_crc(trailer, [dst], result.crc, group=0, store_key=skey, block_key=key, nbytes=PAGE)
+        verdicts[name] = (result.verified, python_says)
+    assert verdicts["as saved"] == (True, None) and verdicts["with a parent"] == (True, None)
+    assert verdicts["version 1"] == (False, None)  # a legacy chunk is the Python check's to accept
+    for name, (verified, python_says) in verdicts.items():
+        if name not in ("as saved", "with a parent", "version 1"):
+            assert python_says is not None and not verified, (name, python_says)
+    x.close()
+
+
 def test_a_chunk_read_from_the_page_cache_a_step_at_a_time_is_whole_and_verified(store_path, io_path):
     """Chunks in the page cache are read a step (256 KiB) at a time on the native path, each step
     checksummed and copied into ``via`` while in cache: pages of several uneven segments that

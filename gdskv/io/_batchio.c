@@ -12,12 +12,14 @@
  * touches nothing else; the caller redoes it on the Python path, which sorts the failure out
  * (missing, refused, corrupt, disk full) with its counters and log lines.
  *
- * read_chunks(root_fd, jobs, crc_fn, direct, threads) -> list[(err, crc)]
- *   jobs: [(relpath: bytes, pieces: [(address, length), ...][, outs]), ...]; the pieces lie end
- *   to end in the file from offset 0 and the last one is the chunk's trailer. err 0: every byte
- *   read, crc = CRC32C of all pieces but the last (crc_fn: the address of google-crc32c's
- *   crc32c_extend). outs (optional, the payload's length in all): where the payload is copied
- *   too once read (the host tier's buffer for the page). The payload is walked once, in
+ * read_chunks(root_fd, jobs, crc_fn, direct, threads) -> list[(err, crc, verified)]
+ *   jobs: [(relpath: bytes, pieces: [(address, length), ...][, outs[, expect]]), ...]; the
+ *   pieces lie end to end in the file from offset 0 and the last one is the chunk's trailer.
+ *   err 0: every byte read, crc = CRC32C of all pieces but the last (crc_fn: the address of
+ *   google-crc32c's crc32c_extend). outs (optional, None, or the payload's length in all): where
+ *   the payload is copied too once read (the host tier's buffer for the page). expect (optional):
+ *   what the trailer must say (see trailer_ok); verified 1 when it does, so the caller's Python
+ *   checks only the chunks that fail here. The payload is walked once, in
  *   cache-sized steps, each checksummed and then copied (out of staging, into outs) while in
  *   cache; a chunk mostly in the page cache (cached()) is read a step at a time, each step
  *   checksummed and copied while the kernel's copy of it is in cache. On success the file's
@@ -70,6 +72,8 @@
 #define ERR_NOT_REGULAR (-2)
 #define STEP (64 * 1024)  /* bytes checksummed, then copied, while they are in the core's cache */
 #define READ_STEP (256 * 1024)  /* bytes read through the page cache, then checksummed and copied */
+#define TRAILER_BYTES 128
+#define EXPECT_MAX (8 + 32 + 32)  /* group u32, payload length u32, store key, block key (8 or 32) */
 #ifndef SYS_cachestat
 #define SYS_cachestat 451
 #endif
@@ -86,6 +90,9 @@ typedef struct {
     struct iovec outs[MAX_PIECES];
     int err;
     uint32_t crc;
+    int expect_len;   /* read: 0, or the bytes of expect (what the trailer must say) */
+    unsigned char expect[EXPECT_MAX];
+    int verified;     /* read: the trailer says exactly what expect asks, and the payload's CRC */
 } job_t;
 
 struct cachestat_range { uint64_t off, len; };
@@ -259,6 +266,38 @@ static int read_buffered(int fd, job_t *j, crc_fn_t crc) {
     return 0;
 }
 
+static uint32_t le32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static int all_zero(const unsigned char *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i]) return 0;
+    return 1;
+}
+
+/* Whether a read chunk's trailer is exactly what gdskv.checksum.check would accept for the job's
+ * expect with no auth key: a version 2 trailer that checks itself, unauthenticated, CRC32C over
+ * the payload equal to `payload_crc`, the expected group, payload length, store key and block key,
+ * zero padding and no reserved flag. Anything else (version 1, another algorithm, a MAC, any
+ * mismatch) is 0 and gdskv.transfer checks the chunk in Python, which says why it is refused. */
+static int trailer_ok(const job_t *j, crc_fn_t crc, uint32_t payload_crc) {
+    const struct iovec *tv = &j->pieces[j->npieces - 1];
+    const unsigned char *t = tv->iov_base, *e = j->expect;
+    if (tv->iov_len != TRAILER_BYTES || memcmp(t, "GDSKVPG1", 8) != 0 || t[8] != 2 || t[9] != 0) return 0;
+    unsigned flags = (unsigned)t[10] | (unsigned)t[11] << 8;
+    size_t key_len = flags >> 8;
+    if ((flags & 0xF0) || ((flags >> 1) & 7) != 0 || key_len != (size_t)j->expect_len - 40) return 0;
+    static const unsigned char zeros[4] = {0};
+    uint32_t own = crc(crc(crc(0, t, 20), zeros, 4), t + 24, TRAILER_BYTES - 24);
+    if (own != le32(t + 20) || le32(t + 12) != le32(e) || le32(t + 16) != le32(e + 4)) return 0;
+    if (total_len(j->pieces, j->npieces - 1) != le32(e + 4)) return 0;
+    if (le32(t + 24) != payload_crc || le32(t + 28) != 0) return 0;
+    if (memcmp(t + 32, e + 8, 32) != 0 || memcmp(t + 64, e + 40, key_len) != 0) return 0;
+    size_t parent_len = (flags & 1) ? key_len : 0;
+    return all_zero(t + 64 + key_len, 32 - key_len) && all_zero(t + 96 + parent_len, 32 - parent_len);
+}
+
 static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging) {
     int fd = open_beneath(root, j->path, O_RDONLY | O_NONBLOCK, 0);
     if (fd < 0) {
@@ -286,6 +325,7 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
             if (j->err == 0) j->crc = finish(j, crc, staged, staging);
         }
         if (j->err == 0) {
+            if (j->expect_len) j->verified = trailer_ok(j, crc, j->crc);
             /* recency: the mtime; the atime is left alone, it may hold a lookup's lease */
             struct timespec now[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
             futimens(fd, now);
@@ -555,6 +595,20 @@ static int parse_outs(PyObject *seq, job_t *j) {
     return 0;
 }
 
+/* A read job's expect: group and payload length (u32, little-endian), store key, block key. */
+static int parse_expect(PyObject *b, job_t *j) {
+    char *s;
+    Py_ssize_t n;
+    if (PyBytes_AsStringAndSize(b, &s, &n) < 0) return -1;
+    if (n != 40 + 8 && n != 40 + 32) {
+        PyErr_SetString(PyExc_ValueError, "expect is 48 or 72 bytes");
+        return -1;
+    }
+    memcpy(j->expect, s, n);
+    j->expect_len = (int)n;
+    return 0;
+}
+
 static void free_jobs(job_t *jobs, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         free(jobs[i].path);
@@ -576,12 +630,13 @@ static job_t *parse_jobs(PyObject *list, Py_ssize_t *count, int writes) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = PySequence_Fast_GET_ITEM(fast, i);
-        PyObject *path, *tmp = NULL, *name = NULL, *pieces, *outs = NULL;
+        PyObject *path, *tmp = NULL, *name = NULL, *pieces, *outs = NULL, *expect = NULL;
         int ok = writes ? PyArg_ParseTuple(t, "SSSO", &path, &tmp, &name, &pieces)
-                        : PyArg_ParseTuple(t, "SO|O", &path, &pieces, &outs);
+                        : PyArg_ParseTuple(t, "SO|OO", &path, &pieces, &outs, &expect);
         if (!ok || !(jobs[i].path = copy_bytes(path)) || (writes && (!(jobs[i].tmp = copy_bytes(tmp)) ||
             !(jobs[i].name = copy_bytes(name)))) || parse_pieces(pieces, jobs[i].pieces, &jobs[i].npieces) < 0 ||
-            (outs && outs != Py_None && parse_outs(outs, &jobs[i]) < 0)) {
+            (outs && outs != Py_None && parse_outs(outs, &jobs[i]) < 0) ||
+            (expect && expect != Py_None && parse_expect(expect, &jobs[i]) < 0)) {
             free_jobs(jobs, n);
             Py_DECREF(fast);
             return NULL;
@@ -612,7 +667,7 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *r = Py_BuildValue("(iI)", jobs[i].err, jobs[i].crc);
+        PyObject *r = Py_BuildValue("(iIi)", jobs[i].err, jobs[i].crc, jobs[i].verified);
         if (!r) {
             Py_CLEAR(out);
             break;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import struct
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,6 +25,7 @@ except ImportError:  # built without a C compiler: the per-page path does the wo
     _batchio = None
 
 ALIGN = 4096
+_EXPECT_HEAD = struct.Struct("<II")
 ERR_SHORT = -1
 ERR_NOT_REGULAR = -2
 MAX_PIECES = 64
@@ -45,10 +47,12 @@ Piece = tuple[int, int]
 @dataclass(frozen=True)
 class ReadResult:
     """``err``: 0 when every byte was read, else an errno, ``ERR_SHORT`` or ``ERR_NOT_REGULAR``;
-    ``crc``: CRC32C of every piece but the last (the trailer), valid when ``err`` is 0."""
+    ``crc``: CRC32C of every piece but the last (the trailer), valid when ``err`` is 0;
+    ``verified``: the job had an ``expect`` and the trailer says exactly that, with ``crc``."""
 
     err: int
     crc: int
+    verified: bool = False
 
 
 def available() -> bool:
@@ -76,17 +80,26 @@ def chunk_sizes(jobs: Sequence[tuple], pieces_at: int) -> list[int]:
 def read_chunks(root_fd: int, jobs: Sequence[tuple], direct: bool, threads: int = 1,
                 staging: Piece = (0, 0)) -> list[ReadResult]:
     """Read each job's chunk (``(rel, pieces)``, ``rel`` its path from the store root, or
-    ``(rel, pieces, outs)``) into its pieces and checksum the payload, on ``threads`` native
-    threads; ``outs``, pieces of the payload's length in all, get a copy of the payload (made
-    step by step right after each step is checksummed, while in cache). ``direct``: chunks not
+    ``(rel, pieces, outs[, expect])``) into its pieces and checksum the payload, on ``threads``
+    native threads; ``outs`` (or None), pieces of the payload's length in all, get a copy of the
+    payload (made step by step right after each step is checksummed, while in cache);
+    ``expect`` (``expectation``) has the trailer verified there too (``ReadResult.verified``). ``direct``: chunks not
     mostly in the page cache are read with O_DIRECT (aligned pieces in place, the rest staged in
     ``staging``, ``(address, length)`` of ``staging_need`` aligned bytes, huge-page backed where
     possible). Called by ``PosixEngine``."""
-    out = [ReadResult(err, crc) for err, crc in
+    out = [ReadResult(err, crc, verified == 1) for err, crc, verified in
            _batchio.read_chunks(root_fd, [(job[0].encode(), *job[1:]) for job in jobs], _CRC, direct, threads,
                                 *staging)]
     _note([r.err for r in out])
     return out
+
+
+def expectation(group: int, nbytes: int, store_key: bytes, block_key: bytes) -> bytes:
+    """A read job's ``expect``: the chunk is verified natively when its trailer is an
+    unauthenticated version 2 one for exactly this group, payload length, store key and block
+    key, with a CRC32C equal to the payload's (what ``gdskv.checksum.check_crc`` accepts without
+    an auth key); any other chunk is left to that check."""
+    return _EXPECT_HEAD.pack(group, nbytes) + bytes(store_key) + bytes(block_key)
 
 
 def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piece]]], file_mode: int,
