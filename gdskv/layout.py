@@ -63,6 +63,8 @@ class KvCacheRegion:
     buffers: tuple[KvCacheBufferRef, ...] = ()
     device: str = "cpu"
     _storage: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    _rows: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
+    """``as_tensor()`` (uint8), made on the first ``slot_tensor``: a page's view is then one index."""
 
     def address_of(self, slot: int) -> int:
         """``base + stride * slot``; raises ``IndexError`` outside ``[0, num_slots)``."""
@@ -92,9 +94,16 @@ class KvCacheRegion:
         return flat.view(dtype)
 
     def slot_tensor(self, slot_id: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """The bytes of one page slot; raises ``IndexError`` outside ``[0, num_slots)``."""
+        """The bytes of one page slot; raises ``IndexError`` outside ``[0, num_slots)``. Called
+        per page and region by every save and load (``gdskv.transfer.page_segments``)."""
         self._check_slot(slot_id)
-        return self.as_tensor(dtype)[slot_id]
+        if dtype is not torch.uint8:
+            return self.as_tensor(dtype)[slot_id]
+        rows = self._rows
+        if rows is None:
+            rows = self.as_tensor()
+            object.__setattr__(self, "_rows", rows)
+        return rows[slot_id]
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= int(slot) < self.num_slots:

@@ -66,7 +66,7 @@ def page_segments(group_layout: Any, slot: int) -> list[torch.Tensor]:
 
     ``slot_tensor`` raises ``IndexError`` outside the pool, so ``-1`` can never alias a page.
     """
-    return [r.slot_tensor(slot).reshape(-1).view(torch.uint8) for r in group_layout.regions]
+    return [r.slot_tensor(slot) for r in group_layout.regions]
 
 
 class PageTransfer:
