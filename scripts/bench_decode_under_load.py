@@ -17,8 +17,8 @@ and is restored, with
 ``--pin-engine`` runs the engine's thread on one CPU and every thread started after it (the
 transfer threads, and the native threads they start) on the others: a diagnostic of how much of
 the decoders' slowdown is the load's CPU work landing on the engine's CPU (on the 2-vCPU
-development VM it took the window's p50 from 1.8x to 1.16x the no-load one; the p99, set by the
-admitting step and a few slow early steps, from 2.2x to 1.7x).
+development VM it took the window's p50 from 1.8-2.4x to 1.0-1.16x the no-load one; the p99, set
+by the admitting step and a few slow early steps, stayed 1.7-2.8x).
 
 Printed per prefix and mode: p50 / p99 of the decoders' step time over the *load window* (the
 steps between the restored request's arrival and its joining the batch: in ``async`` the steps it
