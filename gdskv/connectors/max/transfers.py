@@ -237,16 +237,21 @@ def post_offload(service: KvService, meter: Meter, work: list[SaveChunk], taken:
     down, store unusable) drops its block, counted; a ``CompletedTransfer`` when none posted."""
     posted: list[tuple[tuple[str, int], int, Future]] = []
     unposted: set[tuple[str, int]] = set()
-    for leaf, bid, shard, gid, key, parent, page in work:
+    batches: dict[tuple[int, int], list[SaveChunk]] = {}
+    for chunk in work:  # one batch per (layer group, shard): a few hand-offs, not one per chunk
+        batches.setdefault((chunk[3], chunk[2]), []).append(chunk)
+    for (gid, shard), chunks in batches.items():
         try:
-            fut = service.save(gid, key, parent, [page], ready=ready, shard=shard)
+            futures = service.save_many(gid, [(key, parent, [page]) for _, _, _, _, key, parent, page in chunks],
+                                        ready=ready, shard=shard)
         except Exception as e:
-            log.warning("gdskv: could not post an offload of leaf %r block %s: %s", leaf, key.hex(), e)
-            fut = None
-        if fut is None:
-            unposted.add((leaf, bid))
-            continue
-        posted.append(((leaf, bid), page.numel(), fut))
+            log.warning("gdskv: could not post an offload of %d chunks of layer group %d: %s", len(chunks), gid, e)
+            futures = [None] * len(chunks)
+        for (leaf, bid, _, _, _, _, page), fut in zip(chunks, futures):
+            if fut is None:
+                unposted.add((leaf, bid))
+            else:
+                posted.append(((leaf, bid), page.numel(), fut))
     if not posted:
         meter.count(offload_blocks_dropped=len(unposted))
         return CompletedTransfer()

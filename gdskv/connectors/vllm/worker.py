@@ -78,10 +78,13 @@ class WorkerSide:
         self._held.update(meta.held)
         ready = streams.record_ready(devices=[self.pool.device]) if meta.saves else None
         for rid, ops in meta.saves:
-            for op in ops:
-                fut = self.service.save(op.layer_group_id, op.key, op.parent_key, self.pool.segments(op.page_slot), ready=ready)
-                if fut is not None:
-                    self._saves.setdefault(rid, []).append(fut)
+            for gid in dict.fromkeys(op.layer_group_id for op in ops):  # one batch per layer group, as loads
+                mine = [op for op in ops if op.layer_group_id == gid]
+                futures = self.service.save_many(gid, [(op.key, op.parent_key, self.pool.segments(op.page_slot))
+                                                       for op in mine], ready=ready)
+                posted = [f for f in futures if f is not None]
+                if posted:
+                    self._saves.setdefault(rid, []).extend(posted)
 
     # -- get_finished / get_block_ids_with_load_errors ---------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
