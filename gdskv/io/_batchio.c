@@ -19,11 +19,11 @@
  *   google-crc32c's crc32c_extend). outs (optional, None, or the payload's length in all): where
  *   the payload is copied too once read (the host tier's buffer for the page). expect (optional):
  *   what the trailer must say (see trailer_ok); verified 1 when it does, so the caller's Python
- *   checks only the chunks that fail here. The payload is walked once, in
- *   cache-sized steps, each checksummed and then copied (out of staging, into outs) while in
- *   cache; a chunk mostly in the page cache (cached()) is read a step at a time, each step
- *   checksummed and copied while the kernel's copy of it is in cache. On success the file's
- *   mtime is refreshed (eviction ranks by recency) and its atime left alone (a lookup's lease).
+ *   checks only the chunks that fail here. The payload is walked once, in cache-sized steps,
+ *   each checksummed and then copied (out of staging, into outs) while in cache; a chunk mostly
+ *   in the page cache (cached()) is read a step at a time, each step checksummed and copied
+ *   while the kernel's copy of it is in cache. On success the file's mtime is refreshed
+ *   (eviction ranks by recency) and its atime left alone (a lookup's lease).
  *   direct: read chunks mostly not in the page cache with O_DIRECT, aligned pieces in place and
  *   the rest through an aligned staging buffer.
  * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads, ..., dir_mode, dir_chmod)
@@ -47,7 +47,8 @@
  * staging, staging_len (the two arguments after threads, in both): the caller's aligned memory
  *   for those buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an
  *   O_DIRECT request into 4 KiB pages is cut at the queue's segment limit (254 pages on the
- *   disks measured), one into huge pages is not. Where it is too small (or 0), each thread allocates its own.
+ *   disks measured), one into huge pages is not. Where it is too small (or 0), each thread
+ *   allocates its own.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -83,10 +83,10 @@ def read_chunks(root_fd: int, jobs: Sequence[tuple], direct: bool, threads: int 
     ``(rel, pieces, outs[, expect])``) into its pieces and checksum the payload, on ``threads``
     native threads; ``outs`` (or None), pieces of the payload's length in all, get a copy of the
     payload (made step by step right after each step is checksummed, while in cache);
-    ``expect`` (``expectation``) has the trailer verified there too (``ReadResult.verified``). ``direct``: chunks not
-    mostly in the page cache are read with O_DIRECT (aligned pieces in place, the rest staged in
-    ``staging``, ``(address, length)`` of ``staging_need`` aligned bytes, huge-page backed where
-    possible). Called by ``PosixEngine``."""
+    ``expect`` (``expectation``) has the trailer verified there too (``ReadResult.verified``).
+    ``direct``: chunks not mostly in the page cache are read with O_DIRECT (aligned pieces in
+    place, the rest staged in ``staging``, ``(address, length)`` of ``staging_need`` aligned
+    bytes, huge-page backed where possible). Called by ``PosixEngine``."""
     out = [ReadResult(err, crc, verified == 1) for err, crc, verified in
            _batchio.read_chunks(root_fd, [(job[0].encode(), *job[1:]) for job in jobs], _CRC, direct, threads,
                                 *staging)]
@@ -112,8 +112,7 @@ def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piec
     are not aligned, in ``staging`` as for ``read_chunks``), the rest after them through the page
     cache. ``dir_mode``: a missing ``dir`` is made, with its parents, with that mode (set again
     when ``dir_chmod``), each resolved beneath the root without following a link; None: the job
-    fails with ``ENOENT``.
-    A failed job leaves no file behind. Called by ``PosixEngine``."""
+    fails with ``ENOENT``. A failed job leaves no file behind. Called by ``PosixEngine``."""
     errs = _batchio.write_chunks(root_fd, [(d.encode(), t.encode(), n.encode(), p) for d, t, n, p in jobs],
                                  file_mode, chmod, sync, direct, threads, *staging,
                                  -1 if dir_mode is None else dir_mode, dir_chmod)
