@@ -306,6 +306,15 @@ def test_format_md_names_temp_files_as_the_code_does(tmp_path: Path, monkeypatch
         real(src, dst, *a, **k)
 
     monkeypatch.setattr(os, "rename", spy)
+    from gdskv.io import batch as batchio
+
+    real_batch = batchio.write_chunks
+
+    def batch_spy(root_fd: int, jobs: Any, *a: Any, **k: Any) -> list[int]:  # the native path renames in C
+        renames.extend((tmp, name) for _, tmp, name, _ in jobs)
+        return real_batch(root_fd, jobs, *a, **k)
+
+    monkeypatch.setattr(batchio, "write_chunks", batch_spy)
     fill(tmp_path / "store", chains=1, blocks=1)
     monkeypatch.undo()
     tmp, name = next((s, d) for s, d in renames if ".tmp." in s and d.isdigit())
