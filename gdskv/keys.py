@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from typing import Optional, Sequence
 
 BLOCK_KEY_DOMAIN = b"gdskv/block/v1\0"
@@ -60,9 +62,27 @@ def chain_keys(
     """
     if start > 0 and parent is None:
         raise ValueError("extending a key chain from start > 0 needs the parent key")
+    end = len(tokens) // tokens_per_block
+    if end <= start:
+        return []
+    # block_key's bytes for every block at once: one conversion of the token ids, not one per block
+    span = tokens[start * tokens_per_block:end * tokens_per_block]
+    try:
+        ids = array("q", span)
+    except TypeError:  # ids that are not integers themselves (block_key takes int() of each)
+        ids = array("q", map(int, span))
+    if sys.byteorder != "little":
+        ids.byteswap()
+    raw = memoryview(ids).cast("B")
+    count, salt, step = struct.pack("<I", tokens_per_block), _encode_salt(cache_salt), 8 * tokens_per_block
     keys = []
-    for b in range(start, len(tokens) // tokens_per_block):
-        parent = block_key(parent, tokens[b * tokens_per_block:(b + 1) * tokens_per_block], cache_salt)
+    for at in range(0, len(raw), step):
+        h = hashlib.sha256(BLOCK_KEY_DOMAIN)
+        h.update(parent if parent is not None else ROOT_PARENT)
+        h.update(count)
+        h.update(raw[at:at + step])
+        h.update(salt)
+        parent = h.digest()
         keys.append(parent)
     return keys
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
@@ -59,3 +60,25 @@ def test_keys_are_stable_across_processes_and_hash_seeds():
         env = dict(os.environ, PYTHONHASHSEED=seed)
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip())
     assert outs == {chain_keys(TOKENS, 16, "salt")[-1].hex()}
+
+
+def test_chain_keys_are_the_chained_block_keys_for_any_token_ids_block_size_salt_and_start():
+    """``chain_keys`` converts a prompt's token ids once, not per block: its keys must stay exactly
+    ``block_key`` chained (large and negative ids, numpy and torch integers, every salt kind)."""
+    import numpy as np
+    import torch
+
+    rng = random.Random(5)
+    for tpb in (1, 16, 64):
+        tokens = [rng.choice([0, 1, 2 ** 40 + 3, -7, 151_935, 2 ** 63 - 1, -2 ** 63]) for _ in range(tpb * 5 + 3)]
+        for salt in (None, "tenant", b"\0raw", 12):
+            expected, parent = [], None
+            for b in range(len(tokens) // tpb):
+                parent = block_key(parent, tokens[b * tpb:(b + 1) * tpb], salt)
+                expected.append(parent)
+            assert chain_keys(tokens, tpb, salt) == expected
+            assert chain_keys(tokens, tpb, salt, start=2, parent=expected[1]) == expected[2:]
+            assert chain_keys(tokens, tpb, salt, start=len(expected), parent=expected[-1]) == []
+        assert chain_keys(np.array(tokens, dtype=np.int64), tpb) == chain_keys(tokens, tpb)
+        assert chain_keys(torch.tensor(tokens), tpb) == chain_keys(tokens, tpb)
+        assert chain_keys([float(t) for t in range(tpb * 2)], tpb) == chain_keys(list(range(tpb * 2)), tpb)
