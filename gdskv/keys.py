@@ -38,14 +38,21 @@ def _encode_salt(cache_salt: Optional[str | bytes | int]) -> bytes:
     return b"\1" + struct.pack("<I", len(cache_salt)) + cache_salt
 
 
-def block_key(parent: Optional[bytes], tokens: Sequence[int], cache_salt: Optional[str | bytes | int] = None) -> bytes:
-    """The 32-byte key of one block, chained on ``parent`` (``None`` for the first block)."""
+def _digest(parent: Optional[bytes], count: bytes, ids: bytes | memoryview, salt: bytes) -> bytes:
+    """The block key formula: the block's token count (``<I``) and ids (``<q`` each) already
+    encoded, chained on ``parent``."""
     h = hashlib.sha256(BLOCK_KEY_DOMAIN)
     h.update(parent if parent is not None else ROOT_PARENT)
-    h.update(struct.pack("<I", len(tokens)))
-    h.update(struct.pack(f"<{len(tokens)}q", *map(int, tokens)))
-    h.update(_encode_salt(cache_salt))
+    h.update(count)
+    h.update(ids)
+    h.update(salt)
     return h.digest()
+
+
+def block_key(parent: Optional[bytes], tokens: Sequence[int], cache_salt: Optional[str | bytes | int] = None) -> bytes:
+    """The 32-byte key of one block, chained on ``parent`` (``None`` for the first block)."""
+    return _digest(parent, struct.pack("<I", len(tokens)), struct.pack(f"<{len(tokens)}q", *map(int, tokens)),
+                   _encode_salt(cache_salt))
 
 
 def chain_keys(
@@ -77,12 +84,7 @@ def chain_keys(
     count, salt, step = struct.pack("<I", tokens_per_block), _encode_salt(cache_salt), 8 * tokens_per_block
     keys = []
     for at in range(0, len(raw), step):
-        h = hashlib.sha256(BLOCK_KEY_DOMAIN)
-        h.update(parent if parent is not None else ROOT_PARENT)
-        h.update(count)
-        h.update(raw[at:at + step])
-        h.update(salt)
-        parent = h.digest()
+        parent = _digest(parent, count, raw[at:at + step], salt)
         keys.append(parent)
     return keys
 

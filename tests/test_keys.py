@@ -82,3 +82,12 @@ def test_chain_keys_are_the_chained_block_keys_for_any_token_ids_block_size_salt
         assert chain_keys(np.array(tokens, dtype=np.int64), tpb) == chain_keys(tokens, tpb)
         assert chain_keys(torch.tensor(tokens), tpb) == chain_keys(tokens, tpb)
         assert chain_keys([float(t) for t in range(tpb * 2)], tpb) == chain_keys(list(range(tpb * 2)), tpb)
+
+
+def test_keys_are_the_ones_existing_stores_hold():
+    """Known answers (computed by the per-block code stores were written with): a change to how
+    keys are computed must not change a single one, or every stored chunk becomes a miss."""
+    tokens = list(range(100, 164))
+    assert chain_keys(tokens, 16)[0].hex() == "0afb1fedc57ea1de3c9e97bc2624285c87d4b63d5747e396daa22369f5363438"
+    assert chain_keys(tokens, 16, "salt")[-1].hex() == "ed06dfbf8533ce13ea57cf9a0c809dd7cf03288c89684534ea6c75d8c306ef25"
+    assert block_key(None, tokens[:16]).hex() == chain_keys(tokens, 16)[0].hex()
