@@ -445,6 +445,7 @@ class PageTransfer:
         native: list[int] = []
         work: list[tuple] = []
         trailers: list[bytearray] = []
+        sizes: list[int] = []
         pinned: list[str] = []
         copy_to_via: set[int] = set()
         for i, (key, segments, via) in enumerate(jobs):
@@ -461,6 +462,7 @@ class PageTransfer:
                 batchio.expectation(group, nbytes, ns.store_key(group, key), key)
             work.append((ns.chunk_relpath(group, key), pieces, through, expect))
             trailers.append(trailer)
+            sizes.append(nbytes)
             native.append(i)
             if through is None and via is not None:
                 copy_to_via.add(i)
@@ -474,9 +476,8 @@ class PageTransfer:
                 for path in pinned:
                     budget.unpin(path)
             loaded = nbytes_loaded = 0
-            for i, trailer, result in zip(native, trailers, results):
+            for i, trailer, nbytes, result in zip(native, trailers, sizes, results):
                 key, segments, via = jobs[i]
-                nbytes = sum(t.numel() * t.element_size() for t in segments)
                 if result.err == 0 and (result.verified or checksum.check_crc(
                         trailer, segments, result.crc, group=group, store_key=ns.store_key(group, key), block_key=key,
                         nbytes=nbytes, auth_key=self._auth_key) is None):
