@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, wait
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -66,8 +66,7 @@ class WorkerSide:
         ready = streams.record_ready(devices=[self.pool.device]) if meta.loads else None
         for rid, ops in meta.loads:
             posted = self._loads.setdefault(rid, [])
-            for gid in dict.fromkeys(op.layer_group_id for op in ops):  # one batch per layer group
-                mine = [op for op in ops if op.layer_group_id == gid]
+            for gid, mine in _by_group(ops):
                 futures = self.service.load_many(gid, [(op.key, self.pool.segments(op.page_slot)) for op in mine], ready=ready)
                 posted.extend((op.page_slot, fut) for op, fut in zip(mine, futures))
 
@@ -78,8 +77,7 @@ class WorkerSide:
         self._held.update(meta.held)
         ready = streams.record_ready(devices=[self.pool.device]) if meta.saves else None
         for rid, ops in meta.saves:
-            for gid in dict.fromkeys(op.layer_group_id for op in ops):  # one batch per layer group, as loads
-                mine = [op for op in ops if op.layer_group_id == gid]
+            for gid, mine in _by_group(ops):
                 futures = self.service.save_many(gid, [(op.key, op.parent_key, self.pool.segments(op.page_slot))
                                                        for op in mine], ready=ready)
                 posted = [f for f in futures if f is not None]
@@ -123,3 +121,11 @@ class WorkerSide:
 
     def close(self) -> None:
         self.service.close()
+
+
+def _by_group(ops: Sequence[Any]) -> list[tuple[int, list[Any]]]:
+    """A request's ops split by layer group, in first-seen order: one service batch each."""
+    groups: dict[int, list[Any]] = {}
+    for op in ops:
+        groups.setdefault(op.layer_group_id, []).append(op)
+    return list(groups.items())
