@@ -703,9 +703,9 @@ def _page_size(text: str) -> int:
     return n
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse that answers a usage mistake with one line on stderr and exit status 2 (no usage
-    block: ``--help`` has it)."""
+    block: ``--help`` has it). Used by ``gdskv bench`` and the benchmark scripts."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message}\n")
@@ -713,7 +713,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool]:
     """The options, and whether to print JSON."""
-    parser = _Parser(prog="gdskv bench", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="gdskv bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure "
                         "(a temporary subdirectory is created and removed); default: the system temp directory "
                         "(under gdskv bench: the directory that holds the store)")

@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from gdskv.bench import OneLineParser  # noqa: E402
 from gdskv.config import GdsKvConfig  # noqa: E402
 from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs  # noqa: E402
 from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine  # noqa: E402
@@ -178,9 +179,20 @@ def pin_engine_thread() -> Optional[str]:
     return None
 
 
+def _prefixes(text: str) -> list[int]:
+    """``--prefix``: positive token counts, comma-separated."""
+    try:
+        values = [int(p) for p in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"give positive token counts, comma-separated (e.g. 4096,32768), not {text!r}")
+    return values
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prefix", default="4096,32768", help="prefix lengths in tokens, comma-separated")
+    ap = OneLineParser(prog="bench_decode_under_load", description=__doc__.splitlines()[0])
+    ap.add_argument("--prefix", type=_prefixes, default=[4096, 32768], help="prefix lengths in tokens, comma-separated")
     ap.add_argument("--decoders", type=int, default=4)
     ap.add_argument("--steps", type=int, default=160, help="tokens each decoder generates")
     ap.add_argument("--arrive", type=int, default=20, help="step at which the restored request arrives")
@@ -191,15 +203,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="the engine's thread on one CPU, every other thread of the run on the rest (a diagnostic)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    why = "--rounds must be at least 1" if a.rounds < 1 else None
-    if why is None and a.pin_engine:
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    if a.pin_engine:
         refused = pin_engine_thread()
         if refused is not None:
-            why = f"--pin-engine: {refused}"
-    if why is not None:
-        print(f"bench_decode_under_load: {why}", file=sys.stderr)
-        return 2
-    prefixes = [int(p) for p in a.prefix.split(",")]
+            ap.error(f"--pin-engine: {refused}")
+    prefixes = a.prefix
     root = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="gdskv-bench-dul-"))
     rows: list[dict[str, Any]] = []
     ratios: dict[int, list[float]] = {}

@@ -40,7 +40,6 @@ measures 1k and 8k tokens; ``--full`` adds 2k, 4k, 16k and 32k (long).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -56,7 +55,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from gdskv.bench import drop_page_cache, fill_page_cache
+from gdskv.bench import OneLineParser, drop_page_cache, fill_page_cache
 from gdskv.config import GdsKvConfig, parse_size
 from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
 from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine
@@ -413,7 +412,7 @@ def _parse_list(text: str, what: str) -> tuple[int, ...]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="bench_ttft", description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the bench's stores are made (and removed)")
     ap.add_argument("--lengths", help="prompt lengths in tokens (default 1k,8k; k = 1024)")
     ap.add_argument("--full", action="store_true", help="1k, 2k, 4k, 8k, 16k and 32k tokens (long)")

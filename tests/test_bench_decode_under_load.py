@@ -37,3 +37,10 @@ def test_a_toy_run_restores_the_prefix_in_every_mode(tmp_path, pin):
 def test_a_bad_round_count_is_one_line(tmp_path):
     got = run("--rounds", "0", cwd=tmp_path)
     assert got.returncode == 2 and got.stderr.strip() == "bench_decode_under_load: --rounds must be at least 1"
+
+
+@pytest.mark.parametrize("args", [("--prefix", "4k"), ("--prefix", "0"), ("--rounds", "x")])
+def test_a_bad_argument_is_one_line_not_a_traceback_or_usage_block(tmp_path, args):
+    got = run(*args, cwd=tmp_path)
+    assert got.returncode == 2 and got.stdout == "" and got.stderr.count("\n") == 1, got.stderr
+    assert got.stderr.startswith(f"bench_decode_under_load: argument {args[0]}"), got.stderr

@@ -42,6 +42,11 @@ def test_a_bad_length_is_one_line():
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0 and "--lengths" in run.stderr
 
 
+def test_a_bad_option_is_one_line_not_a_usage_block():
+    run = subprocess.run([sys.executable, str(SCRIPT), "--only", "bogus"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and run.stderr.startswith("bench_ttft: argument --only")
+
+
 def test_the_saver_keeps_only_its_last_chunks_on_disk(tmp_path):
     """The decode section's saver, saving as fast as it goes, removes its older chunks beyond
     ``keep_bytes`` (a round at disk speed once filled the disk): more pages published than kept."""
