@@ -29,6 +29,7 @@ import torch
 from gdskv import checksum
 from gdskv import format as fmt
 from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path, touch_mtime
+from gdskv.futures import batch_futures, resolve_many
 from gdskv.hosttier import gather
 from gdskv.io import batch as batchio
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
@@ -334,7 +335,7 @@ class PageTransfer:
         it ran, their results (None when the slice raised) and the indices of the cancelled jobs
         it skipped. The caller's per-page bookkeeping (``KvService``'s counters and host-tier
         fills) happens there, a slice at a time, and whoever sees a page done sees it done."""
-        futures: list[Future] = [Future() for _ in jobs]
+        futures = batch_futures(len(jobs))
         native = self._batchable()
         if native:
             threads = min(NATIVE_CALLERS, len(jobs))
@@ -363,11 +364,7 @@ class PageTransfer:
                         on_done(picked, results, [i for i in span if i not in picked] if len(picked) < len(span) else [])
                     except Exception:  # never lose the pages' futures to the bookkeeping
                         log.exception("gdskv: bookkeeping of a finished slice failed")
-                for k, i in enumerate(picked):
-                    if error is not None:
-                        futures[i].set_exception(error)
-                    else:
-                        futures[i].set_result(results[k])  # type: ignore[index]
+                resolve_many([futures[i] for i in picked], results, error)
 
         for _ in range(threads):
             self._pool.submit(worker)

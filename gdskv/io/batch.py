@@ -14,8 +14,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import struct
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from gdskv import format as fmt
 
@@ -44,11 +43,11 @@ Piece = tuple[int, int]
 """One span of host memory, ``(address, length)``; a chunk's pieces lie end to end in its file."""
 
 
-@dataclass(frozen=True)
-class ReadResult:
+class ReadResult(NamedTuple):
     """``err``: 0 when every byte was read, else an errno, ``ERR_SHORT`` or ``ERR_NOT_REGULAR``;
     ``crc``: CRC32C of every piece but the last (the trailer), valid when ``err`` is 0;
-    ``verified``: the job had an ``expect`` and the trailer says exactly that, with ``crc``."""
+    ``verified``: the job had an ``expect`` and the trailer says exactly that, with ``crc``. A
+    tuple rather than a dataclass: one per page, made on the transfer threads' GIL time."""
 
     err: int
     crc: int
@@ -149,13 +148,13 @@ def lease_chunks(root_fd: int, rels: Sequence[str], atime_ns: int, mtime_ns: int
 def host_pages(tensors: Sequence) -> bool:
     """Whether the batch path can take a page's tensors: contiguous CPU tensors, not too many
     (the per-page path handles the rest)."""
-    return len(tensors) < MAX_PIECES and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    return len(tensors) < MAX_PIECES and all(t.is_cpu and t.is_contiguous() for t in tensors)
 
 
 def pieces_of(tensors: Sequence, trailer: bytearray) -> Optional[list[Piece]]:
     """The pieces of a page's tensors and its trailer, or None when ``host_pages`` refuses them."""
     if not host_pages(tensors):
         return None
-    out = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
-    out.append((ctypes.addressof((ctypes.c_char * len(trailer)).from_buffer(trailer)), len(trailer)))
+    out = [(t.data_ptr(), t.nbytes) for t in tensors]
+    out.append((ctypes.addressof(ctypes.c_char.from_buffer(trailer)), len(trailer)))
     return out

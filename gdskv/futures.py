@@ -1,0 +1,100 @@
+"""Futures for a batch of pages: ``PageFuture`` and ``resolve_many``.
+
+A ``concurrent.futures.Future`` per page cost more Python than moving a warm 256 KiB page: its
+``Condition`` (an ``RLock``, a deque, a Python object with bound methods) made per page, a lock
+round trip in every ``result()``/``done()``, and five garbage-collected objects per page that
+survive long enough to set off full collections (py-spy, warm 256 KiB loads through
+``PageTransfer``: 37% of the GIL's samples were futures). ``PageFuture`` is a ``Future`` (every
+method, ``isinstance``, ``concurrent.futures.wait``) whose batch shares one ``Condition``,
+whose ``result``/``exception``/``done`` answer without the lock once it is finished, and which
+``resolve_many`` settles a slice at a time under one lock acquisition.
+
+Made by ``gdskv.transfer.PageTransfer._batch``; callers only see ``Future``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import CancelledError, Future, TimeoutError
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
+from typing import Any, Optional, Sequence
+
+_OVER = (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED)
+_CANCELLED = (CANCELLED, CANCELLED_AND_NOTIFIED)
+
+
+class PageFuture(Future):
+    """A ``Future`` sharing ``condition`` with the other futures of its batch. A shared
+    condition's ``notify_all`` wakes waiters of other pages too, so every wait here loops until
+    this future is over (the base class would take such a wake-up for a timeout)."""
+
+    def __init__(self, condition: threading.Condition) -> None:  # noqa: D107 - no super(): no Condition of its own
+        self._condition = condition
+        self._state = PENDING
+        self._result: Any = None
+        self._exception: Optional[BaseException] = None
+        self._waiters: list = []
+        self._done_callbacks: list = []
+
+    def done(self) -> bool:
+        return self._state in _OVER
+
+    def cancelled(self) -> bool:
+        return self._state in _CANCELLED
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        if self._state == FINISHED and self._exception is None:  # set before the state, under the GIL
+            return self._result
+        self._wait(timeout)
+        if self._exception is not None:
+            raise self._exception
+        return self._result
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        if self._state == FINISHED:
+            return self._exception
+        self._wait(timeout)
+        return self._exception
+
+    def _wait(self, timeout: Optional[float]) -> None:
+        """Until finished (``CancelledError`` if cancelled, ``TimeoutError`` after ``timeout``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._condition:
+            while self._state not in _OVER:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError()
+                self._condition.wait(left)
+            if self._state in _CANCELLED:
+                raise CancelledError()
+
+
+def batch_futures(n: int) -> list[PageFuture]:
+    """``n`` pending futures sharing one condition."""
+    condition = threading.Condition()
+    return [PageFuture(condition) for _ in range(n)]
+
+
+def resolve_many(futures: Sequence[PageFuture], results: Optional[Sequence[Any]], error: Optional[BaseException]) -> None:
+    """Finish each of ``futures`` (one batch's, each running: ``set_running_or_notify_cancel``
+    returned True) with ``results[k]``, or all with ``error``: one lock acquisition and one
+    wake-up for the lot, then each one's callbacks, as ``set_result`` would run them."""
+    if not futures:
+        return
+    condition = futures[0]._condition
+    with condition:
+        for k, fut in enumerate(futures):
+            if error is not None:
+                fut._exception = error
+            else:
+                fut._result = results[k]  # type: ignore[index]
+            fut._state = FINISHED
+            for waiter in fut._waiters:
+                if error is not None:
+                    waiter.add_exception(fut)
+                else:
+                    waiter.add_result(fut)
+        condition.notify_all()
+    for fut in futures:
+        if fut._done_callbacks:
+            fut._invoke_callbacks()
