@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -64,13 +64,30 @@ class SlabPool:
         with self._lock:
             return self._bytes
 
+    def _take_unused(self, nbytes: int) -> Optional[tuple[torch.Tensor, _Slab]]:
+        """A held slab's unused buffer of ``nbytes``, or None; under the lock."""
+        for slab in self._slabs:
+            if slab.unused and slab.unused[-1].numel() == nbytes:
+                slab.lent += 1
+                return slab.unused.pop(), slab
+        return None
+
+    def take_many(self, sizes: Sequence[int]) -> list[Optional[tuple[torch.Tensor, _Slab]]]:
+        """``take`` for each size: what held slabs have, under one lock; the rest one by one
+        (a slab may have to be allocated)."""
+        with self._lock:
+            out = [self._take_unused(n) for n in sizes]
+        for k, got in enumerate(out):
+            if got is None:
+                out[k] = self.take(sizes[k])
+        return out
+
     def take(self, nbytes: int) -> Optional[tuple[torch.Tensor, _Slab]]:
         with self._cond:
             while True:
-                for slab in self._slabs:
-                    if slab.unused and slab.unused[-1].numel() == nbytes:
-                        slab.lent += 1
-                        return slab.unused.pop(), slab
+                got = self._take_unused(nbytes)
+                if got is not None:
+                    return got
                 if not self._allocating:
                     break
                 self._cond.wait()  # the slab being allocated may have a buffer of this size
@@ -102,6 +119,13 @@ class SlabPool:
         with self._lock:
             slab.lent -= 1
             slab.unused.append(buf)
+
+    def give_many(self, bufs: Sequence[tuple[torch.Tensor, _Slab]]) -> None:
+        """``give`` for each ``(buf, slab)``, under one lock."""
+        with self._lock:
+            for buf, slab in bufs:
+                slab.lent -= 1
+                slab.unused.append(buf)
 
     def clear(self) -> None:
         """Forget every slab (buffers still lent stay valid for their holders)."""

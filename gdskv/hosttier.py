@@ -30,7 +30,7 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -218,6 +218,58 @@ class HostTier:
             return None
         return Reserved(key, got[0], got[1], pages, freed)
 
+    def reserve_many(self, keys: Sequence[Hashable], sizes: Sequence[Optional[int]]) -> list[Optional["Reserved"]]:
+        """``reserve`` for a step's pages read from the disk at once (a size None or 0 gets
+        None): room made and counted under one lock, buffers taken in one pass
+        (``SlabPool.take_many``). Called by ``KvService.load_many``."""
+        out: list[Optional[Reserved]] = [None] * len(keys)
+        want: list[tuple[int, Hashable, int, int, int]] = []
+        with self._lock:
+            for i, (key, nbytes) in enumerate(zip(keys, sizes)):
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+                elif nbytes and 0 < nbytes <= self.capacity:
+                    pages, freed = self._evict_until(self.capacity - nbytes)
+                    self._used += nbytes
+                    want.append((i, key, nbytes, pages, freed))
+        if not want:
+            return out
+        try:
+            got = self._memory.take_many([nbytes for _, _, nbytes, _, _ in want])
+        except BaseException:
+            with self._lock:
+                self._used -= sum(nbytes for _, _, nbytes, _, _ in want)
+            raise
+        unused = 0
+        for (i, key, nbytes, pages, freed), taken in zip(want, got):
+            if taken is None:
+                unused += nbytes
+            else:
+                out[i] = Reserved(key, taken[0], taken[1], pages, freed)
+        if unused:
+            with self._lock:
+                self._used -= unused
+        return out
+
+    def settle_many(self, commits: Sequence["Reserved"], aborts: Sequence["Reserved"]) -> list[Put]:
+        """``commit`` each of ``commits`` and ``abort`` each of ``aborts`` under one lock (a
+        slice of loads finished: ``KvService._loads_finished``); the commits' ``Put``s."""
+        puts: list[Put] = []
+        back: list[Reserved] = list(aborts)
+        with self._lock:
+            for slot in commits:
+                if slot.key not in self._entries:
+                    self._entries[slot.key] = _Entry(slot.buf, slot.slab)
+                    puts.append(Put(True, slot.evicted, slot.evicted_bytes))
+                else:
+                    self._entries.move_to_end(slot.key)
+                    back.append(slot)
+                    puts.append(Put(False, slot.evicted, slot.evicted_bytes))
+            self._used -= sum(slot.buf.numel() for slot in back)
+        if back:
+            self._memory.give_many([(slot.buf, slot.slab) for slot in back])
+        return puts
+
     def commit(self, slot: "Reserved") -> Put:
         """``slot``'s buffer, now holding exactly its key's verified payload, becomes the key's
         entry (unless another thread's entry for the key came first: then it is given back)."""
@@ -264,10 +316,9 @@ class HostTier:
         return pages, freed
 
 
-@dataclass(frozen=True)
-class Reserved:
+class Reserved(NamedTuple):
     """A buffer ``HostTier.reserve`` set aside for ``key``'s payload; ``evicted`` pages of
-    ``evicted_bytes`` left the tier to make room for it."""
+    ``evicted_bytes`` left the tier to make room for it. (A tuple: one per page read.)"""
 
     key: Hashable
     buf: torch.Tensor

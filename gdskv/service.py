@@ -360,13 +360,16 @@ class KvService:
         else:
             sizes = [payload_nbytes(segments) for _, segments in pages]
             lents = self._borrow_many(rank, group, [key for key, _ in pages], sizes)
-            for i, ((key, segments), size, lent) in enumerate(zip(pages, sizes, lents)):
+            misses: list[int] = []
+            for i, ((key, segments), lent) in enumerate(zip(pages, lents)):
                 if lent is None:
-                    disk.append((i, key, segments, self._reserve(rank, group, key, size)))
+                    misses.append(i)
                 elif ready is None and all(s.is_cpu for s in segments):
                     now.append((i, key, lent, segments))
                 else:
                     out[i] = self._hit_later(rank, lent, segments, ready, nbytes, t0)
+            slots = self._reserve_many(rank, group, [pages[i][0] for i in misses], [sizes[i] for i in misses])
+            disk = [(i, pages[i][0], pages[i][1], slot) for i, slot in zip(misses, slots)]
         if now:
             for i, key, segments in self._hits_now(rank, now, out, nbytes, t0):
                 disk.append((i, key, segments, None))
@@ -497,18 +500,16 @@ class KvService:
             fut.set_result(LoadStatus.MISSING)
         return _counted(fut, lambda f: self._loaded(f, nbytes, t0, self.namespaces[rank], hit))
 
-    def _reserve(self, rank: int, group: int, key: bytes, size: Optional[int]) -> Optional[Reserved]:
-        """A host-tier buffer for a page of ``size`` bytes about to be read from the disk (the
-        transfer copies the payload there as it copies it into the page:
-        ``PageTransfer.load_pages``), or None: the tier holds the page already, it does not fit,
-        or its segments cannot be copied in place (``size`` None)."""
-        if not size:
-            return None
+    def _reserve_many(self, rank: int, group: int, keys: list[bytes], sizes: list[Optional[int]]) -> list[Optional[Reserved]]:
+        """Host-tier buffers for a step's pages about to be read from the disk (the transfer
+        copies each payload there as it copies it into the page: ``PageTransfer.load_pages``);
+        a None where the tier holds the page already, it does not fit, or its segments cannot be
+        copied in place (size None)."""
         try:
-            return self.host.reserve((rank, group, key), size)
-        except Exception as e:  # never into the serving loop: the page is only not kept
-            log.warning("gdskv: no host-tier buffer for a page: %s", e)
-            return None
+            return self.host.reserve_many([(rank, group, key) for key in keys], sizes)
+        except Exception as e:  # never into the serving loop: the pages are only not kept
+            log.warning("gdskv: no host-tier buffers for %d pages: %s", len(keys), e)
+            return [None] * len(keys)
 
     def _loads_finished(self, rank: int, group: int, done: list[tuple[int, bytes, list[Any], Optional[Reserved]]],
                         results: Optional[list[Any]], skipped: list[tuple[int, bytes, list[Any], Optional[Reserved]]],
@@ -519,18 +520,17 @@ class KvService:
         given back; then the slice is counted at once. ``results`` is None when the slice raised."""
         loaded = 0
         puts: list[tuple[Put, int]] = []
+        commits: list[Reserved] = []
+        aborts = [slot for _, _, _, slot in skipped if slot is not None]
         for k, (_, key, segments, slot) in enumerate(done):
             ok = results is not None and results[k] is LoadStatus.LOADED
             loaded += ok
-            if slot is not None and ok:
-                puts.append((self.host.commit(slot), slot.buf.numel()))
-            elif slot is not None:
-                self.host.abort(slot)
+            if slot is not None:
+                (commits if ok else aborts).append(slot)
             elif ok and self.host is not None:
                 puts.append(self._fill(key=(rank, group, key), segments=segments))
-        for _, _, _, slot in skipped:
-            if slot is not None:
-                self.host.abort(slot)
+        if commits or aborts:
+            puts += zip(self.host.settle_many(commits, aborts), (slot.buf.numel() for slot in commits))
         finished = len(done) + len(skipped)
         self._observe("load", rank, finished, t0)
         self._count_puts(rank, puts, {"loads_loaded": loaded, "bytes_loaded": loaded * nbytes,

@@ -193,6 +193,33 @@ def test_a_reserved_buffer_counts_as_used_until_committed_or_aborted():
     assert tier.used == 250 and "c" not in tier
 
 
+def test_a_step_reserves_and_settles_its_pages_at_once():
+    """``reserve_many``/``settle_many`` (a step's disk loads) keep the accounting of one page at a
+    time: a held key, a size that cannot be kept and a page with no size get no buffer; room is
+    made by eviction; a commit that lost a race and an abort give their buffers back for reuse."""
+    tier = HostTier(400, pinned=False)
+    assert tier.put("held", b(100, 3)).taken and tier.put("old", b(100, 4)).taken
+    slots = tier.reserve_many(["held", "big", "none", "a", "b", "c"], [100, 500, None, 100, 100, 100])
+    assert [s is None for s in slots] == [True, True, True, False, False, False]
+    assert tier.used == 400 and "old" not in tier and "held" in tier  # "held" became the most recent
+    a, b_, c = slots[3:]
+    a.buf.fill_(1)
+    b_.buf.fill_(2)
+    assert tier.put("b", b(100, 5)).taken  # another thread's copy of "b" landed first ("held" made room)
+    puts = tier.settle_many([a, b_], [c])
+    assert [p.taken for p in puts] == [True, False]
+    assert tier.used == 200 and "c" not in tier and "held" not in tier
+    with tier.borrow("a", 100) as buf:
+        assert int(buf.sum()) == 100
+    with tier.borrow("b", 100) as buf:
+        assert int(buf[0]) == 5
+    again = tier.reserve_many(["d", "e"], [100, 100])  # "c"'s and the losing "b"'s buffers, reused
+    assert {s.buf.data_ptr() for s in again} == {b_.buf.data_ptr(), c.buf.data_ptr()}
+    assert tier.used == 400
+    tier.settle_many([], again)
+    assert tier.used == 200
+
+
 def test_a_commit_that_lost_a_race_gives_its_buffer_back():
     tier = HostTier(1000, pinned=False)
     slot = tier.reserve("k", 100)
