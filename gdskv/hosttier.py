@@ -17,10 +17,10 @@ Memory is pinned where CUDA is present (``torch.cuda.is_available()``; page-lock
 makes host/device copies direct and asynchronous), plain host memory elsewhere, carved from slabs
 (``gdskv.hostmem``): buffers of evicted entries are reused once nobody reads them.
 
-Called by ``gdskv.service.KvService`` (bring-up: ``tier_bytes``; ``load``/``save``: ``borrow``,
-``put``, and ``reserve``/``commit``/``abort`` for a load from the disk that fills the entry's
-buffer as it fills the page); ``gather``/``scatter`` are the copies between an entry and a page's
-segments.
+Called by ``gdskv.service.KvService`` (bring-up: ``tier_bytes``; ``load``/``save``:
+``borrow_many``, ``put``, and ``reserve_many``/``settle_many`` for a step's loads from the disk,
+which fill each entry's buffer as they fill the page); ``gather``/``scatter`` are the copies
+between an entry and a page's segments.
 """
 from __future__ import annotations
 
@@ -195,9 +195,9 @@ class HostTier:
         ``commit``-ted (or ``abort``-ed): None when the tier holds ``key`` already (it becomes the
         most recent entry), the page does not fit the budget, or no memory can be had. Room is
         made now (least recent entries evicted) and counted as used until the end. Called by
-        ``put``, and by ``KvService.load_many`` so that a load from the disk fills the buffer its
-        page will be kept in as it fills the page (one pass over the payload, not a second one
-        after the load)."""
+        ``put``; ``reserve_many`` is the same for a step's loads from the disk, so that each fills
+        the buffer its page will be kept in as it fills the page (one pass over the payload, not a
+        second one after the load)."""
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
