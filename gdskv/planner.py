@@ -209,6 +209,10 @@ class RequestState:
     """Per layer group: block ordinals covered by the reports so far (where the next delta starts)."""
     promised: tuple[int, int] = (0, 0)
     """Block ordinals ``[first, end)`` the lookup promised; loaded on the first report."""
+    loaded: tuple[int, int] = (0, 0)
+    """Block ordinals ``[first, end)`` an asynchronous load took from the promise
+    (``take_promised_loads``): found in the store by the lookup, so the first report does not ask
+    the store about those it says are computed (a 32k-token prefix: 512 presence checks)."""
     decided: list[int] = field(init=False)
     """Per layer group: every ordinal below this was saved, skipped or found unsaveable."""
     kv_end: int = 0
@@ -296,7 +300,7 @@ class RequestState:
     def rewind(self, position: int) -> None:
         """The engine discarded KV from ``position`` on (it recomputes after a failed load): the
         promised prefix is no longer loaded, and blocks from there on are undecided again."""
-        self.promised = (0, 0)
+        self.promised = self.loaded = (0, 0)
         self.decided = [min(d, position // self.tokens_per_block) for d in self.decided]
         self.kv_end = position
 
@@ -368,6 +372,10 @@ def plan_step(
         state.rewind(report.computed_position)
     state.record_report(report, first)
     tpb = state.tokens_per_block
+    known = (0, 0)
+    if first:  # blocks loaded ahead that the engine says are computed: in the store, not asked again
+        known = (state.loaded[0], min(state.loaded[1], report.computed_position // tpb))
+        state.loaded = (0, 0)
     loads: dict[int, tuple[PageOp, ...]] = {}
     if first and state.promised[1] > state.promised[0]:
         loads = _plan_loads(state, windows if window_aware else None)  # under the keys the lookup found them by
@@ -377,7 +385,7 @@ def plan_step(
     state.kv_end = end
     live_from = [first_live_block(end, w, tpb) for w in windows]
     save_from = [window_keep_from(len(state.tokens), w, tpb) for w in windows] if window_aware else live_from
-    saves = _plan_saves(state, end // tpb, save_from, stored)
+    saves = _plan_saves(state, end // tpb, save_from, stored, known)
     for g, first_live in enumerate(live_from):
         if first_live:  # 0 for full attention: nothing to forget
             state.forget_before(g, first_live)
@@ -398,17 +406,20 @@ def _plan_loads(state: RequestState, windows: Optional[Sequence[Optional[int]]] 
     return loads
 
 
-def _plan_saves(state: RequestState, complete: int, live_from: Sequence[int], stored: StoredFn) -> dict[int, tuple[PageOp, ...]]:
+def _plan_saves(state: RequestState, complete: int, live_from: Sequence[int], stored: StoredFn,
+                known: tuple[int, int] = (0, 0)) -> dict[int, tuple[PageOp, ...]]:
     """Saves of blocks that are complete (ordinal < ``complete``), have a page, lie in the live
-    window (ordinal >= ``live_from[g]``) and are not in the store; every ordinal below
-    ``complete`` is decided afterwards, so none is considered twice."""
+    window (ordinal >= ``live_from[g]``), are neither promised nor ``known`` to be stored (block
+    ordinals ``[first, end)``) and are not in the store; every ordinal below ``complete`` is
+    decided afterwards, so none is considered twice."""
     p_first, p_end = state.promised
+    k_first, k_end = known
     saves = {}
     for g in range(state.num_groups):
         start = state.decided[g]
         candidates = [
             o for o in range(max(start, live_from[g]), complete)
-            if o in state.pages[g] and not p_first <= o < p_end
+            if o in state.pages[g] and not p_first <= o < p_end and not k_first <= o < k_end
         ]
         state.decided[g] = max(start, complete)
         if not candidates:
@@ -429,12 +440,12 @@ def take_promised_loads(state: RequestState, block_ids_by_group: Sequence[Sequen
     promised blocks the engine accepted (``num_tokens`` from the first promised block, whole
     blocks only), per layer group. The promise is then spent: the first report plans no loads
     again, and a block whose load fails is saved again once the engine has recomputed it (a block
-    that loaded is in the store, so it is not saved twice)."""
+    that loaded is in the store, so it is not saved twice, nor asked about again: ``loaded``)."""
     state.record_alloc(block_ids_by_group)
     first, end = state.promised
     state.promised = (first, min(end, first + max(0, num_tokens) // state.tokens_per_block))
     loads = _plan_loads(state)
-    state.promised = (0, 0)
+    state.loaded, state.promised = state.promised, (0, 0)
     return loads
 
 

@@ -30,6 +30,7 @@ from gdskv.planner import (
     plan_step,
     shard_routes,
     store_shards,
+    take_promised_loads,
 )
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -325,6 +326,47 @@ def test_rewind_after_a_discarded_load_replans_the_recomputed_blocks():
     # the load failed; the engine recomputes from 0 on the same pages (no new tokens or pages)
     plan = plan_step(state, StepReport(7, [], [[]], 0, 8), False, [None], stored_in({}))
     assert not plan.loads and [op.key for op in plan.saves[0]] == keys[0:2]
+
+
+def test_blocks_loaded_ahead_are_not_asked_about_again_unless_the_engine_recomputes_them():
+    """An asynchronous load (``take_promised_loads``) of blocks the lookup found: the first report
+    that says they are computed plans no presence check of them (32k tokens: 512 of them on the
+    serving thread); a report computed only up to a failed block (vLLM recomputes from there)
+    asks about the blocks from that one on and saves the one whose chunk went; a rewind after a
+    failure reported later asks about them all again."""
+    prompt = list(range(23))
+    keys = chain_keys(prompt + [23], 4)  # 5 full blocks in the prompt, a 6th once a token is generated
+    held = {0: set(keys[:5])}
+    asked: list[bytes] = []
+
+    def stored(g, ks):
+        asked.extend(ks)
+        return stored_in(held)(g, ks)
+
+    def loaded_ahead():
+        asked.clear()
+        held[0] = set(keys[:5])
+        state = new_request(7, prompt, None, 4, 1, plan_lookup(prompt, None, 4, 0, 1, stored_in(held)))
+        loads = take_promised_loads(state, [list(range(10, 16))], 5 * 4)
+        assert [op.key for op in loads[0]] == keys[:5] and state.loaded == (0, 5)
+        return state
+
+    state = loaded_ahead()
+    plan = plan_step(state, StepReport(7, prompt, [list(range(10, 16))], 20, 2), True, [None], stored)
+    assert asked == [] and not plan.loads and not plan.saves  # block 5 is not complete yet
+    plan = plan_step(state, StepReport(7, [23], [[]], 22, 2), False, [None], stored)
+    assert asked == [keys[5]] and [op.key for op in plan.saves[0]] == [keys[5]]
+
+    state = loaded_ahead()  # block 3's chunk was corrupt (quarantined): the engine computes from 12
+    held[0].discard(keys[3])
+    plan = plan_step(state, StepReport(7, prompt, [list(range(10, 16))], 12, 11), True, [None], stored)
+    assert asked == [keys[3], keys[4]] and [op.key for op in plan.saves[0]] == [keys[3]]
+
+    state = loaded_ahead()
+    plan_step(state, StepReport(7, prompt, [list(range(10, 16))], 20, 0), True, [None], stored)
+    held[0].discard(keys[3])
+    plan = plan_step(state, StepReport(7, [], [[]], 0, 20), False, [None], stored)  # the failure, reported later
+    assert asked == keys[:5] and [op.key for op in plan.saves[0]] == [keys[3]]
 
 
 def test_a_salt_first_seen_in_the_report_salts_every_save():
