@@ -116,9 +116,7 @@ class SlabPool:
 
     def give(self, buf: torch.Tensor, slab: _Slab) -> None:
         """``buf`` (from ``take``) is unused again."""
-        with self._lock:
-            slab.lent -= 1
-            slab.unused.append(buf)
+        self.give_many([(buf, slab)])
 
     def give_many(self, bufs: Sequence[tuple[torch.Tensor, _Slab]]) -> None:
         """``give`` for each ``(buf, slab)``, under one lock."""

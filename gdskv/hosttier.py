@@ -198,25 +198,7 @@ class HostTier:
         ``put``; ``reserve_many`` is the same for a step's loads from the disk, so that each fills
         the buffer its page will be kept in as it fills the page (one pass over the payload, not a
         second one after the load)."""
-        with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return None
-            if nbytes > self.capacity or nbytes <= 0:
-                return None
-            pages, freed = self._evict_until(self.capacity - nbytes)
-            self._used += nbytes
-        try:
-            got = self._memory.take(nbytes)
-        except BaseException:
-            with self._lock:
-                self._used -= nbytes
-            raise
-        if got is None:
-            with self._lock:
-                self._used -= nbytes
-            return None
-        return Reserved(key, got[0], got[1], pages, freed)
+        return self.reserve_many([key], [nbytes])[0]
 
     def reserve_many(self, keys: Sequence[Hashable], sizes: Sequence[Optional[int]]) -> list[Optional["Reserved"]]:
         """``reserve`` for a step's pages read from the disk at once (a size None or 0 gets
@@ -273,22 +255,11 @@ class HostTier:
     def commit(self, slot: "Reserved") -> Put:
         """``slot``'s buffer, now holding exactly its key's verified payload, becomes the key's
         entry (unless another thread's entry for the key came first: then it is given back)."""
-        with self._lock:
-            taken = slot.key not in self._entries
-            if taken:
-                self._entries[slot.key] = _Entry(slot.buf, slot.slab)
-            else:
-                self._used -= slot.buf.numel()
-                self._entries.move_to_end(slot.key)
-        if not taken:
-            self._memory.give(slot.buf, slot.slab)
-        return Put(taken, slot.evicted, slot.evicted_bytes)
+        return self.settle_many([slot], [])[0]
 
     def abort(self, slot: "Reserved") -> None:
         """``slot`` will not be committed (its load failed): its buffer and room are given back."""
-        with self._lock:
-            self._used -= slot.buf.numel()
-        self._memory.give(slot.buf, slot.slab)
+        self.settle_many([], [slot])
 
     def discard(self, key: Hashable) -> bool:
         """Forget ``key``'s payload; whether it was held."""
