@@ -120,16 +120,38 @@ def print_json(obj: Any) -> None:
 class OneLineErrors(click.Group):
     """The ``gdskv`` group: an error no command turned into a ``click`` error (an ``OSError`` from
     the store, a bug) is still one line on stderr and exit 1, never a traceback; ``-vv`` logs
-    the traceback."""
+    the traceback. A usage mistake (an unknown option, a bad value) is one line and exit 2 too,
+    naming the command where click knows it, instead of click's usage block (``--help`` has it)."""
+
+    def make_context(self, info_name: Optional[str], args: list[str], parent: Optional[click.Context] = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as e:
+            raise _one_line_usage(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:
+            raise _one_line_usage(e) from None
         except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt, EOFError):
             raise
         except Exception as e:
             logging.getLogger("gdskv.cli").debug("gdskv %s failed", ctx.invoked_subcommand, exc_info=True)
             raise click.ClickException(f"{ctx.invoked_subcommand or 'gdskv'}: {one_line(e)}") from None
+
+
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+"""click >= 8.2 raises it for a bare group; older click prints the help itself."""
+
+
+def _one_line_usage(e: click.UsageError) -> click.UsageError:
+    """``e`` without its context, which is what makes click print the usage block: ``Error: gdskv
+    info: No such option ...`` (exit 2). A bare ``gdskv`` keeps printing the help it asks for."""
+    if e.ctx is None or isinstance(e, _NO_ARGS_IS_HELP):
+        return e
+    return click.UsageError(f"{e.ctx.command_path}: {e.format_message()}")
 
 
 def one_line(e: BaseException) -> str:

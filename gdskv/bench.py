@@ -697,7 +697,10 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def _page_size(text: str) -> int:
-    n = parse_size(text)
+    try:
+        n = parse_size(text)
+    except ValueError as e:  # argparse would say "invalid _page_size value"
+        raise argparse.ArgumentTypeError(str(e)) from None
     if not MIN_PAGE <= n <= MAX_PAGE or n % 512:
         raise argparse.ArgumentTypeError(f"page size must be a multiple of 512 bytes in [4K, 64M], got {text!r}")
     return n

@@ -432,8 +432,23 @@ def test_bring_up_cleans_a_dead_writers_temp_file_in_the_background(tmp_path):
     assert not leftover.exists() and fresh.exists()
 
 
+def test_a_usage_mistake_is_one_line(tmp_path: Path) -> None:
+    """An unknown option or command, a missing value: one line on stderr, exit 2, not click's usage
+    block (docs/cli.md), naming the command where click knows it; ``--help`` still prints the help."""
+    for args, said in ((("info", "--bogus"), "main info: No such option '--bogus'"),  # prog: python -m gdskv.cli.main
+                       (("--bogus", "info"), "main: No such option '--bogus'"),
+                       (("nosuchcmd",), "main: No such command 'nosuchcmd'"),
+                       (("evict", "--max-bytes"), "Error: Option '--max-bytes' requires an argument")):
+        res = gdskv(tmp_path / "store", *args)
+        assert res.returncode == 2 and res.stdout == "", res
+        assert res.stderr.count("\n") == 1 and said in res.stderr and "Usage:" not in res.stderr, res.stderr
+    res = gdskv(tmp_path / "store", "info", "--help")
+    assert res.returncode == 0 and "Usage:" in res.stdout
+
+
 def test_bench_answers_a_bad_option_with_one_line(tmp_path: Path) -> None:
     for args, said in ((("--page-size", "3K"), "page size must be a multiple of 512 bytes"),
+                       (("--page-size", "3X"), "argument --page-size: not a size: '3X'"),
                        (("--rounds", "0"), "--rounds must be at least 1"),
                        (("--peers", "sglang"), "unknown peer 'sglang'")):
         res = gdskv(tmp_path / "store", "bench", "--", *args)
