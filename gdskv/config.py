@@ -247,6 +247,12 @@ class GdsKvConfig:
     the forward pass, overlapped per layer, which saves the loading request a step. 0: every
     load asynchronous; ``None`` (``false`` in TOML): none."""
 
+    background_nice: int = 19
+    """How much nicer (``nice(1)``: 0-19) than the engine's thread the transfer threads of saves
+    and asynchronous loads run, so that where the engine keeps the CPUs busy those transfers take
+    the time it leaves rather than stretching its steps (``gdskv.priority``; Linux). Loads a
+    forward pass waits for keep the engine's priority. 0: one pool for everything."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -262,6 +268,9 @@ class GdsKvConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 256:
                 raise bad(key, f"must be an integer in [1, 256], got {v!r}")
+        v = self.background_nice
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 19:
+            raise bad("background_nice", f"must be an integer in [0, 19] (0: transfers at the engine's priority), got {v!r}")
         if isinstance(self.o_direct, bool):
             self.o_direct = "all" if self.o_direct else "off"
         if self.o_direct not in O_DIRECT_MODES:

@@ -105,7 +105,8 @@ def post_pages(service: "KvService", layout: KvCacheLayout, items: Sequence[tupl
                ready: Any = None) -> list[Optional[Future]]:
     """A ``PostFn`` for planner load ops: ``(index, (layer group id, LoadOp))`` items posted
     through ``service.load_many`` group by group, into the ops' page slots of ``layout``,
-    after ``ready``; one future per item, in item order."""
+    after ``ready`` as background loads (no forward pass waits for them); one future per item,
+    in item order."""
     out: list[Optional[Future]] = [None] * len(items)
     by_group: dict[int, list[int]] = {}
     for k, (_, (gid, _op)) in enumerate(items):
@@ -113,6 +114,6 @@ def post_pages(service: "KvService", layout: KvCacheLayout, items: Sequence[tupl
     for gid, ks in by_group.items():
         group = layout.group(gid)
         pages = [(op.key, page_segments(group, op.page_slot)) for op in (items[k][1][1] for k in ks)]
-        for k, fut in zip(ks, service.load_many(gid, pages, ready=ready)):
+        for k, fut in zip(ks, service.load_many(gid, pages, ready=ready, background=True)):
             out[k] = fut
     return out

@@ -173,7 +173,8 @@ class KvService:
             self.engine = engine if engine is not None else make_engine(cfg)
             for r in (spec.tp_rank,) if shards is None else shards:
                 self.transfers[r] = PageTransfer(self.namespaces[r], self.engine, threads=cfg.io_threads,
-                                                 stats_flush_seconds=cfg.stats_flush_seconds, auth_key=auth_key)
+                                                 stats_flush_seconds=cfg.stats_flush_seconds, auth_key=auth_key,
+                                                 background_nice=cfg.background_nice)
             self.transfer = self.transfers.get(spec.tp_rank)
             if host_bytes:
                 self.host = HostTier(host_bytes)
@@ -340,11 +341,13 @@ class KvService:
         return self.load_many(group, [(key, segments)], ready, shard)[0]
 
     def load_many(self, group: int, items: Sequence[tuple[bytes, Sequence[Any]]], ready: Optional[Any] = None,
-                  shard: Optional[int] = None) -> list[Optional["Future[LoadStatus]"]]:
+                  shard: Optional[int] = None, background: bool = False) -> list[Optional["Future[LoadStatus]"]]:
         """``load`` for a step's pages of one layer group at once (``(key, segments)`` each, one
         ``ready`` for all), as the workers post them at ``start_load_kv``: host-tier hits are
         served page by page, the rest go to the transfer as one batch (a few thread hand-offs,
-        not one per page). One future per page, in order."""
+        not one per page). One future per page, in order. ``background``: an asynchronous load,
+        no forward pass waits for it: its hits are copied on the copy threads, never on the
+        caller's, and its disk reads run on the background transfer threads."""
         rank = self.spec.tp_rank if shard is None else shard
         transfer = self.transfers.get(rank)
         if transfer is None:
@@ -364,7 +367,7 @@ class KvService:
             for i, ((key, segments), lent) in enumerate(zip(pages, lents)):
                 if lent is None:
                     misses.append(i)
-                elif ready is None and all(s.is_cpu for s in segments):
+                elif ready is None and not background and all(s.is_cpu for s in segments):
                     now.append((i, key, lent, segments))
                 else:
                     out[i] = self._hit_later(rank, lent, segments, ready, nbytes, t0)
@@ -383,7 +386,8 @@ class KvService:
             self._loads_finished(rank, group, [disk[k] for k in done], results, [disk[k] for k in skipped], nbytes, t0)
 
         futures = transfer.load_pages(group, [(key, segments, None if slot is None else slot.buf)
-                                              for _, key, segments, slot in disk], ready=ready, on_done=finished)
+                                              for _, key, segments, slot in disk], ready=ready, on_done=finished,
+                                              background=background)
         for (i, _, _, _), fut in zip(disk, futures):
             out[i] = fut
         return out

@@ -34,6 +34,7 @@ from gdskv.hosttier import gather
 from gdskv.io import batch as batchio
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
 from gdskv.io.posix import aligned_host_buffer
+from gdskv.priority import lower_this_thread
 from gdskv.store import Namespace
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class PageTransfer:
     """Asynchronous page saves and loads for one namespace over one I/O engine."""
 
     def __init__(self, namespace: Namespace, engine: IoEngine, threads: int = 8, stats_flush_seconds: float = 5.0,
-                 checksum: Optional[int] = None, auth_key: Optional[bytes] = None, stage_host: Optional[bool] = None):
+                 checksum: Optional[int] = None, auth_key: Optional[bytes] = None, stage_host: Optional[bool] = None,
+                 background_nice: int = 0):
         """``checksum``: the payload checksum algorithm for saves (``gdskv.format.CHECKSUM_*``);
         None picks by where the page lives (``gdskv.checksum.seal``). ``auth_key``: the config's
         chunk key (``GdsKvConfig.auth_key()``): saves carry a MAC, loads require one.
@@ -82,7 +84,9 @@ class PageTransfer:
         when a page is in device memory and the engine has no GDS, so it would bounce the page
         through host memory anyway). A staged page is checksummed on the host copy (CRC32C: no
         device work, no device scratch memory), and a staged load reaches the page only once
-        verified."""
+        verified. ``background_nice``: how much nicer than the caller's thread the threads of
+        saves and of loads posted with ``background=True`` run (``gdskv.priority``); 0: one pool
+        for everything, at the caller's priority."""
         self.ns = namespace
         self._checksum = checksum
         self._auth_key = auth_key
@@ -90,9 +94,8 @@ class PageTransfer:
         self._staging = threading.local()
         self.engine = engine
         self.depth = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-xfer")
-        for _ in range(threads):  # started now, not by the first batch on the serving thread
-            self._pool.submit(int)
+        self._pool = _started_pool(threads, "gdskv-xfer", 0)
+        self._background = _started_pool(threads, "gdskv-xfer-bg", background_nice) if background_nice > 0 else self._pool
         self._flush_every = stats_flush_seconds
         self._last_flush = time.monotonic()
         self._warned: dict[str, float] = {}
@@ -115,9 +118,9 @@ class PageTransfer:
                    ) -> list["Future[SaveStatus]"]:
         """``save_page`` for a step's pages at once (``(key, parent, segments)`` each, one
         ``ready`` for all): one future per page, in order, with at most ``depth`` pages in flight
-        (see ``_batch``, and there for ``on_done``)."""
+        (see ``_batch``, and there for ``on_done``), on the background threads."""
         return self._batch(self._save, self._save_slice, group,
-                           [(key, parent, list(segs)) for key, parent, segs in items], ready, on_done)
+                           [(key, parent, list(segs)) for key, parent, segs in items], ready, on_done, self._background)
 
     def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor], ready: Optional[Any] = None) -> SaveStatus:
         if ready is not None:
@@ -306,7 +309,7 @@ class PageTransfer:
         return self.load_pages(group, [(key, segments)], ready)[0]
 
     def load_pages(self, group: int, items: Sequence[tuple], ready: Optional[Any] = None,
-                   on_done: Optional[DoneFn] = None) -> list["Future[LoadStatus]"]:
+                   on_done: Optional[DoneFn] = None, background: bool = False) -> list["Future[LoadStatus]"]:
         """``load_page`` for a step's pages at once (``(key, segments)`` each, one ``ready`` for
         all): one future per page, in order, with at most ``depth`` pages in flight (see
         ``_batch``, and there for ``on_done``). An item ``(key, segments, via)`` names a flat
@@ -315,13 +318,16 @@ class PageTransfer:
         of the chunk, once read (into the staging buffer, or the page itself where aligned), is
         checksummed and copied into the page and into ``via`` while in cache, so keeping the
         page costs no second pass over it. (Reading straight into ``via`` instead measured
-        slower here: a fresh, large buffer per load, against a small staging buffer reused.)"""
+        slower here: a fresh, large buffer per load, against a small staging buffer reused.)
+        ``background``: no forward pass waits for these pages (an asynchronous load): they move
+        on the background threads."""
         jobs = [(item[0], list(item[1]), item[2] if len(item) > 2 else None) for item in items]
-        return self._batch(self._load, self._load_slice, group, jobs, ready, on_done)
+        return self._batch(self._load, self._load_slice, group, jobs, ready, on_done,
+                           self._background if background else self._pool)
 
     def _batch(self, fn: Callable[..., Any], slice_fn: Callable[[int, list[tuple], int], list[Any]], group: int,
-               jobs: list[tuple], ready: Optional[Any], on_done: Optional[DoneFn] = None) -> list[Future]:
-        """Run the jobs with ``depth`` pages in flight. Each pool thread waits on ``ready`` once,
+               jobs: list[tuple], ready: Optional[Any], on_done: Optional[DoneFn], pool: ThreadPoolExecutor) -> list[Future]:
+        """Run the jobs with ``depth`` pages in flight on ``pool``. Each pool thread waits on ``ready`` once,
         then takes slices of jobs until none is left and resolves their futures itself: a batch
         costs a few hand-offs, not one per page (the per-page submit, wake-up and future of the
         pool were a fifth of a warm 64 KiB load). Where the native batch path applies
@@ -367,7 +373,7 @@ class PageTransfer:
                 resolve_many([futures[i] for i in picked], results, error)
 
         for _ in range(threads):
-            self._pool.submit(worker)
+            pool.submit(worker)
         return futures
 
     def _batchable(self) -> bool:
@@ -551,7 +557,18 @@ class PageTransfer:
     def close(self) -> None:
         """Wait for in-flight transfers and persist counters. The engine is closed by its owner."""
         self._pool.shutdown(wait=True)
+        self._background.shutdown(wait=True)
         self.ns.store.flush_stats()
+
+
+def _started_pool(threads: int, name: str, nice: int) -> ThreadPoolExecutor:
+    """A transfer pool, its threads started now rather than by the first batch on the serving
+    thread; ``nice`` > 0: each lowers itself that much first (``gdskv.priority``)."""
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name,
+                              initializer=lower_this_thread if nice > 0 else None, initargs=(nice,) if nice > 0 else ())
+    for _ in range(threads):
+        pool.submit(int)
+    return pool
 
 
 def _file_segments(pages: Sequence[torch.Tensor], trailer: Buffer) -> list[Segment]:

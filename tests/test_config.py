@@ -30,6 +30,8 @@ def test_toml_then_env_store_override(tmp_path, monkeypatch):
         ("max_bytes = 'lots'", "max_bytes"),
         ("o_direct = 'yes'", "o_direct"),
         ("min_free_percent = 150", "min_free_percent"),
+        ("background_nice = 20", "background_nice"),
+        ("background_nice = true", "background_nice"),
     ],
 )
 def test_bad_settings_fail_naming_the_setting(tmp_path, body, setting):

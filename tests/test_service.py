@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -231,3 +232,38 @@ def test_page_memory_is_registered_with_the_io_engine(cfg, monkeypatch):
     assert svc.register_memory(pool) == 0 and seen == pool
     svc.close()
     assert KvService(cfg, spec(), transfers=False).register_memory(pool) == 0
+
+
+class NiceProbe:
+    """A ``ready`` event: the transfer thread that takes a batch calls ``synchronize()`` on it
+    first; it records that thread's nice value."""
+
+    def __init__(self) -> None:
+        self.nice: list[int] = []
+
+    def synchronize(self) -> None:
+        self.nice.append(os.getpriority(os.PRIO_PROCESS, 0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values are per thread on Linux only")
+def test_saves_and_background_loads_run_nicer_than_the_caller_and_waited_for_loads_do_not(cfg):
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    svc = KvService(dataclasses.replace(cfg, host_bytes=0, background_nice=7), spec(groups=1))
+    keys = svc.keys(TOKENS)
+    saved, waited, background = NiceProbe(), NiceProbe(), NiceProbe()
+    assert svc.save_many(0, [(keys[0], None, page(1)), (keys[1], keys[0], page(2))], ready=saved)[1].result() is SaveStatus.PUBLISHED
+    outs = [[torch.zeros(PAGE // 2, dtype=torch.uint8) for _ in range(2)] for _ in range(2)]
+    assert svc.load_many(0, [(keys[0], outs[0])], ready=waited)[0].result() is LoadStatus.LOADED
+    assert svc.load_many(0, [(keys[1], outs[1])], ready=background, background=True)[0].result() is LoadStatus.LOADED
+    assert torch.equal(torch.cat(outs[1]), torch.cat(page(2)))
+    want = min(19, base + 7)
+    assert saved.nice and set(saved.nice) == {want}
+    assert waited.nice == [base]
+    assert background.nice == [want]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's thread is untouched
+    svc.close()
+    off = KvService(dataclasses.replace(cfg, host_bytes=0, background_nice=0), spec(groups=1))
+    probe = NiceProbe()
+    off.load_many(0, [(keys[1], outs[1])], ready=probe, background=True)[0].result()
+    assert probe.nice == [base]
+    off.close()

@@ -67,7 +67,8 @@ class WorkerSide:
         for rid, ops in meta.loads:
             posted = self._loads.setdefault(rid, [])
             for gid, mine in _by_group(ops):
-                futures = self.service.load_many(gid, [(op.key, self.pool.segments(op.page_slot)) for op in mine], ready=ready)
+                futures = self.service.load_many(gid, [(op.key, self.pool.segments(op.page_slot)) for op in mine], ready=ready,
+                                                 background=True)
                 posted.extend((op.page_slot, fut) for op, fut in zip(mine, futures))
 
     def post_saves(self, meta: Any) -> None:
