@@ -228,7 +228,9 @@ class RequestState:
     # -- tokens and keys -------------------------------------------------------------------
     def set_tokens(self, tokens: Sequence[int]) -> None:
         """Replace the token list (a first report restates everything) and rekey if it changed."""
-        tokens = list(map(int, tokens))
+        if type(tokens) is list and tokens == self.tokens:  # the lookup's prompt, restated by the first report
+            return
+        tokens = _int_list(tokens)
         if tokens[: len(self.tokens)] != self.tokens:
             self.keys = []
         self.tokens = tokens
@@ -314,6 +316,14 @@ class RequestState:
     def _check_groups(self, lists: Sequence[Sequence[int]]) -> None:
         if len(lists) > self.num_groups:
             raise ValueError(f"request {self.request_id}: page lists for {len(lists)} layer groups, the layout has {self.num_groups}")
+
+
+def _int_list(tokens: Sequence[int]) -> list[int]:
+    """``tokens`` as a new list of plain ints (checking a list's element types costs half of
+    converting each: 32k tokens, 0.4 against 1 ms)."""
+    if type(tokens) is list and set(map(type, tokens)) == {int}:
+        return list(tokens)
+    return list(map(int, tokens))
 
 
 def new_request(

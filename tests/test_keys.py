@@ -1,8 +1,10 @@
 """Content keys: chained, salted, stable across processes and hash seeds."""
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import struct
 import subprocess
 import sys
 
@@ -41,6 +43,15 @@ def test_incremental_extension_matches_full_chain():
 def test_store_key_separates_groups_and_namespaces():
     k = chain_keys(TOKENS, 16)[0]
     assert len({store_key("ns1", 0, k), store_key("ns1", 1, k), store_key("ns2", 0, k)}) == 3
+
+
+def test_store_keys_are_the_documented_digest_whatever_was_named_before():
+    # chunk files are named by these bytes: the formula is the on-disk format
+    k = chain_keys(TOKENS, 16)[0]
+    for ns, group, key in [("ns1", 0, k), ("ns2", 0, k), ("ns1", 3, k), ("ns1", 3, b"\x07" * 8), ("ns1", 0, k)]:
+        want = hashlib.sha256(b"gdskv/store/v1\0" + ns.encode() + struct.pack("<IB", group, len(key)) + key).digest()
+        assert store_key(ns, group, key) == want
+    assert store_key("ns1", 0, k).hex() == store_key("ns1", 0, bytearray(k)).hex()
 
 
 def test_canonical_hashes_are_used_as_given():
