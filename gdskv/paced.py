@@ -3,9 +3,9 @@
 Posting a page costs Python work (its segments, its future, its hand-off to the transfer):
 about 25 us, so a 32k-token prefix of 512 pages posted at once is a 13 ms stall of the serving
 loop in the step that admits the request, while the disk can only take the first
-``io_threads`` of them anyway. A ``PacedLoad`` posts one slice when it starts and one more at
-each ``pump`` (the serving loop calls it at every step's start and end) while fewer than a slice
-are unfinished, so each step pays for the pages the disk finished since, not for the whole
+``io_threads`` of them anyway. A ``PacedLoad`` posts one slice when it starts (or, with
+``start_now=False``, at its first ``pump``) and one more at each ``pump`` (the serving loop calls
+it at every step's start and end) while fewer than a slice are unfinished, so each step pays for the pages the disk finished since, not for the whole
 prefix. Should every posted page finish between two pumps (steps longer than the disk needs for
 a slice), the last one to finish posts the next slice itself, so the disk never waits for the
 serving loop. Slices are not posted from transfer threads otherwise: Python work there competes
@@ -45,7 +45,7 @@ class PacedLoad:
     or ``cancel`` (or a post that raised) stopped it and what was posted finished. Thread-safe.
     """
 
-    def __init__(self, ops: Sequence[Any], post: PostFn, slice_pages: int = PACE_SLICE) -> None:
+    def __init__(self, ops: Sequence[Any], post: PostFn, slice_pages: int = PACE_SLICE, start_now: bool = True) -> None:
         self._ops = list(ops)
         self._post = post
         self._slice = max(1, slice_pages)
@@ -55,7 +55,8 @@ class PacedLoad:
         self._unfinished = 0
         self._cancelled = False
         self._posting = False
-        self.pump()
+        if start_now:
+            self.pump()
 
     @property
     def done(self) -> bool:

@@ -38,8 +38,9 @@ class GdsKvWorker(KvCacheConnectorWorker):
     computed (a page holds every layer of its group), ``wait_for_save`` makes sure every save is
     posted. No save blocks the step: saves finish in the background and are reported by
     ``get_finished``. Loads the scheduler made asynchronous (``StepMetadata.async_loads``) are
-    posted a slice per step from ``start_load_kv`` on (``gdskv.paced``), never awaited in a
-    step: ``get_finished`` reports the request loaded once every page landed, and
+    posted a slice per step (``gdskv.paced``) from the ``get_finished`` after the forward pass
+    of the step that admitted the request (that step already carries its lookup), never awaited
+    in a step: ``get_finished`` reports the request loaded once every page landed, and
     ``get_load_failures`` lists it if one did not.
 
     Device ordering (``gdskv.streams``): a readiness recorded on the engine's stream when the slots
@@ -177,7 +178,8 @@ class GdsKvWorker(KvCacheConnectorWorker):
         for load in self._async_loads.values():
             load.pump()
         for rid, rid_ops in paced.items():  # outside the batch: posted a slice per step (gdskv.paced)
-            self._async_loads[rid] = PacedLoad(rid_ops, partial(post_pages, self.service, self._layout, ready=ready))
+            self._async_loads[rid] = PacedLoad(rid_ops, partial(post_pages, self.service, self._layout, ready=ready),
+                                               start_now=False)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Before layer ``layer_idx`` computes: wait for the loads into its group's pages."""
