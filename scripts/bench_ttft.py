@@ -33,6 +33,11 @@ one ``load_many`` as the connectors post a restored prefix: cold (page cache dro
 files read into the page cache first), cold with the tier filling, and hot (host tier), GB/s and
 ratios.
 
+MAX (``scripts/max_ttft.py``): the same TTFT comparison on Modular MAX, ``max serve`` on CPU
+with gdskv's connector (computed, computed+saving, served cold), with a random Llama of this
+model's geometry, from MAX's own virtualenv (``--max-python``; default: the one
+``tests/test_max_integration.py`` makes); skipped with the reason when there is none.
+
 The model is large enough that prefill costs real time on a CPU (default: 8 layers, hidden 1024,
 16 query heads, 2 KV heads of 64, fp32: 8 KiB of KV per token, 32-token blocks = 256 KiB pages).
 Prefill is slow on the reference engine (it computes one token row at a time): the default run
@@ -62,6 +67,7 @@ from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine
 from gdskv.service import KvService
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
 from gdskv.transfer import LoadStatus, SaveStatus
+from max_ttft import MaxUnavailable, max_python, max_section  # scripts/, beside this file
 
 TOKENS_PER_BLOCK = 32
 DEFAULT_LENGTHS = (1 << 10, 8 << 10)
@@ -69,6 +75,7 @@ FULL_LENGTHS = (1 << 10, 2 << 10, 4 << 10, 8 << 10, 16 << 10, 32 << 10)
 TTFT_TARGET = 0.1  # served / computed TTFT at 8k tokens (issue 13)
 DECODE_TARGET = 1.05  # decode step with saves running / without
 HOT_TARGET = 5.0  # hot (host tier) / cold page loads
+SECTIONS = ("ttft", "decode", "loads", "max")
 
 
 # --- step clock and saver ------------------------------------------------------------------------
@@ -164,6 +171,7 @@ class Options:
     decode_batch: int = 4
     save_rates: tuple[int, ...] = (64 << 20, 0)
     decode_host_bytes: Optional[int] = None
+    max_python: Optional[str] = None
     page_sizes: tuple[int, ...] = (256 << 10, 1 << 20, 4 << 20)
     load_bytes: int = 256 << 20
     rounds: int = 3
@@ -344,6 +352,17 @@ def loads_section(o: Options, directory: str) -> list[dict]:
     return rows
 
 
+def max_section_of(o: Options, workdir: Path) -> tuple[list[dict], Optional[str]]:
+    """The MAX section's rows (``scripts/max_ttft.py``), or why it was skipped."""
+    try:
+        python = max_python(o.max_python)
+    except MaxUnavailable as e:
+        return [], str(e)
+    return max_section(python, workdir, o.lengths, o.layers, o.heads, o.kv_heads, o.hidden // o.heads, o.intermediate,
+                       lambda store: drop_page_cache(chunk_files(store)),
+                       log=lambda line: print(line, file=sys.stderr, flush=True)), None
+
+
 # --- report ----------------------------------------------------------------------------------------
 
 def _size(n: int) -> str:
@@ -354,7 +373,8 @@ def _tokens(n: int) -> str:
     return f"{n >> 10}k" if n % 1024 == 0 else str(n)
 
 
-def report(o: Options, ttft: list[dict], decode: list[dict], loads: list[dict]) -> str:
+def report(o: Options, ttft: list[dict], decode: list[dict], loads: list[dict], max_rows: list[dict],
+           max_skipped: Optional[str]) -> str:
     m = model_config(o)
     kv = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 4
     lines = [f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / {m.num_kv_heads} KV heads of "
@@ -379,6 +399,15 @@ def report(o: Options, ttft: list[dict], decode: list[dict], loads: list[dict]) 
             lines.append(f"| {d['saves']} | {d['steps']} | {d['step_ms']:.1f} | {d['ratio']:.3f} | "
                          f"{d['mean_saves_in_flight']:.1f} | {d['saved_mb_per_s']:.0f} |")
         lines.append("")
+    if max_rows:
+        lines += [f"MAX (max serve on CPU, the same model as a random Llama, pages of 128 tokens): TTFT (s) at the "
+                  "client, first streamed token; ratio = served / computed",
+                  "| prompt tokens | computed | computed+saving | served cold | ratio |", "|---|---|---|---|---|"]
+        lines += [f"| {r['prompt_tokens']} | {r['computed_s']:.2f} | {r['computed+saving_s']:.2f} | {r['served_cold_s']:.3f} | "
+                  f"{r['served_over_computed']:.4f} |" for r in max_rows]
+        lines.append("")
+    if max_skipped:
+        lines += [f"MAX: skipped ({max_skipped})", ""]
     if loads:
         lines += [f"page loads through KvService, torch CPU tensor pool (GB/s, median of {o.rounds}); target: hot >= "
                   f"{HOT_TARGET} x cold", "| page | pages | cold | warm | cold+fill | hot | hot / cold | cold+fill / cold |",
@@ -430,7 +459,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--page-sizes", default="256K,1M,4M", help="page sizes of the load section")
     ap.add_argument("--load-bytes", default="256M", help="bytes loaded per page size and kind")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", choices=["ttft", "decode", "loads"], action="append", help="run only these sections")
+    ap.add_argument("--only", choices=list(SECTIONS), action="append", help="run only these sections")
+    ap.add_argument("--max-python", help="python of a virtualenv with MAX and this checkout of gdskv (MAX section; "
+                    "default: ~/.cache/gdskv-test/venv-max, made by tests/test_max_integration.py)")
     ap.add_argument("--json", help="also write the figures as JSON to this file")
     a = ap.parse_args(argv)
     lengths = FULL_LENGTHS if a.full else (_parse_list(a.lengths, "--lengths") if a.lengths else DEFAULT_LENGTHS)
@@ -441,18 +472,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 intermediate=a.intermediate, decode=a.decode, decode_prompt=a.decode_prompt, decode_batch=a.decode_batch,
                 save_rates=rates, page_sizes=_parse_list(a.page_sizes, "--page-sizes"),
                 load_bytes=_parse_list(a.load_bytes, "--load-bytes")[0], rounds=a.rounds,
-                decode_host_bytes=None if a.decode_host_bytes is None else _size_arg(a.decode_host_bytes, "--decode-host-bytes"))
-    sections = set(a.only or ("ttft", "decode", "loads"))
+                decode_host_bytes=None if a.decode_host_bytes is None else _size_arg(a.decode_host_bytes, "--decode-host-bytes"),
+                max_python=a.max_python)
+    sections = set(a.only or SECTIONS)
     workdir = tempfile.mkdtemp(prefix="gdskv-bench-ttft-", dir=o.directory)
     try:
         ttft = ttft_section(o, os.path.join(workdir, "store")) if "ttft" in sections else []
         decode = decode_section(o, os.path.join(workdir, "decode")) if "decode" in sections else []
         loads = loads_section(o, workdir) if "loads" in sections else []
+        max_rows, max_skipped = max_section_of(o, Path(workdir)) if "max" in sections else ([], None)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(report(o, ttft, decode, loads))
+    print(report(o, ttft, decode, loads, max_rows, max_skipped))
     if a.json:
-        Path(a.json).write_text(json.dumps({"options": asdict(o), "ttft": ttft, "decode": decode, "loads": loads}, indent=2))
+        Path(a.json).write_text(json.dumps({"options": asdict(o), "ttft": ttft, "decode": decode, "loads": loads,
+                                            "max": max_rows, "max_skipped": max_skipped}, indent=2))
     return 0
 
 

@@ -12,9 +12,13 @@ which ``max[serve]`` installs); no torch and no network. The output is a
 pure function of ``--seed``, so two builds are byte-identical.
 
     python scripts/make_tiny_llama.py OUT_DIR [--seed 0] [--dtype float32|bfloat16] [--head-dim N]
+                                      [--layers N] [--heads N] [--kv-heads N] [--intermediate N]
+                                      [--max-positions N]
 
 ``--dtype bfloat16`` (vLLM on CPU) rounds the same weights to bf16 and needs ``torch``;
-``--head-dim`` sets the attention head size (the hidden size is heads x head size).
+``--head-dim`` sets the attention head size (the hidden size is heads x head size). The
+geometry flags make a model whose prefill costs real time on a CPU (``scripts/bench_ttft.py``'s
+MAX section); their defaults are the tests' tiny model.
 """
 
 from __future__ import annotations
@@ -160,8 +164,18 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--head-dim", type=int, default=TinyLlamaShape.hidden_size // TinyLlamaShape.num_heads,
                     help="attention head size (hidden size = heads x head size)")
+    ap.add_argument("--layers", type=int, default=TinyLlamaShape.num_layers)
+    ap.add_argument("--heads", type=int, default=TinyLlamaShape.num_heads)
+    ap.add_argument("--kv-heads", type=int, default=TinyLlamaShape.num_kv_heads)
+    ap.add_argument("--intermediate", type=int, default=TinyLlamaShape.intermediate_size)
+    ap.add_argument("--max-positions", type=int, default=TinyLlamaShape.max_position_embeddings)
     args = ap.parse_args()
-    shape = TinyLlamaShape(hidden_size=TinyLlamaShape.num_heads * args.head_dim, dtype=args.dtype)
+    if min(args.layers, args.heads, args.kv_heads, args.intermediate, args.max_positions, args.head_dim) < 1 \
+            or args.heads % args.kv_heads:
+        ap.error("geometry flags must be positive, and --heads a multiple of --kv-heads")
+    shape = TinyLlamaShape(num_layers=args.layers, hidden_size=args.heads * args.head_dim, num_heads=args.heads,
+                           num_kv_heads=args.kv_heads, intermediate_size=args.intermediate,
+                           max_position_embeddings=args.max_positions, dtype=args.dtype)
     print(build(args.out, args.seed, shape))
 
 

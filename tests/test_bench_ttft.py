@@ -15,12 +15,13 @@ SCRIPT = ROOT / "scripts" / "bench_ttft.py"
 TOY = ["--lengths", "64", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
        "--decode", "4", "--decode-prompt", "40", "--decode-batch", "2", "--page-sizes", "64K", "--load-bytes", "1M",
        "--rounds", "1"]
+SECTIONS = ["--only", "ttft", "--only", "decode", "--only", "loads"]  # MAX's: tests/test_max_integration.py
 
 
 @pytest.mark.slow
 def test_a_toy_run_reports_every_section(tmp_path):
     out = tmp_path / "figures.json"
-    run = subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--json", str(out), *TOY],
+    run = subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--json", str(out), *TOY, *SECTIONS],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     for heading in ("TTFT (s)", "decode step (ms", "page loads through KvService"):
@@ -45,6 +46,16 @@ def test_a_bad_length_is_one_line():
 def test_a_bad_option_is_one_line_not_a_usage_block():
     run = subprocess.run([sys.executable, str(SCRIPT), "--only", "bogus"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and run.stderr.startswith("bench_ttft: argument --only")
+
+
+def test_the_max_section_without_a_max_virtualenv_is_skipped_with_the_reason(tmp_path):
+    run = subprocess.run([sys.executable, str(SCRIPT), "--dir", str(tmp_path), "--only", "max", "--max-python",
+                          str(tmp_path / "no-venv" / "bin" / "python"), "--json", str(tmp_path / "f.json")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "MAX: skipped (no MAX virtualenv at" in run.stdout
+    figures = json.loads((tmp_path / "f.json").read_text())
+    assert figures["max"] == [] and "no MAX virtualenv" in figures["max_skipped"]
 
 
 def test_the_saver_keeps_only_its_last_chunks_on_disk(tmp_path):

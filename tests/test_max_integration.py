@@ -30,6 +30,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -245,3 +246,19 @@ def test_prewarm_with_max_then_a_new_process_loads_the_prompt(max_python: Path, 
     run = _generate(max_python, tiny_llama, store, tmp_path / "after-prewarm.json")
     assert run.stats["blocks_read"] == blocks and run.stats["blocks_written"] == 0
     assert run.text == session.baseline.text
+
+
+def test_bench_ttft_measures_max_serving_a_prefix_from_the_store(max_python: Path, tmp_path: Path):
+    """``scripts/bench_ttft.py --only max``: three ``max serve`` processes (computed, saving,
+    served after the page cache was dropped) give the same text, and the served prefix's first
+    token comes sooner than the computed one's."""
+    out = tmp_path / "figures.json"
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_ttft.py"), "--dir", str(tmp_path), "--only", "max",
+                          "--max-python", str(max_python), "--lengths", "256,2k", "--layers", "2", "--hidden", "128",
+                          "--heads", "4", "--kv-heads", "2", "--intermediate", "256", "--json", str(out)],
+                         capture_output=True, text=True, errors="replace", cwd=REPO, timeout=RUN_TIMEOUT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "MAX (max serve on CPU" in run.stdout
+    short, long = json.loads(out.read_text())["max"]
+    assert short["prompt_tokens"] >= 256 and long["prompt_tokens"] >= 2048
+    assert long["served_cold_s"] < long["computed_s"]
