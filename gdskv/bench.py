@@ -9,6 +9,9 @@ Subjects, all moving pages of the same size and count between a page pool and on
   page-aligned memory (the same at every page size);
 - ``raw`` and ``raw+o_direct``: one file, pages written and read one after another at their
   offsets, through the page cache or with ``O_DIRECT`` (page-aligned memory);
+- ``files``: one plain file per page (the store's count, sizes and directory fan-out), written
+  and read buffered by Python threads at the store's depth, no checksum: ``warm/files`` in the
+  report compares the store's warm loads with page-cache reads of files like its own;
 - ``torch.save``: one ``.pt`` file per block (TensorRT-LLM's example KV cache connector);
 - ``store:<engine>@<pool>``: the gdskv store through ``PageTransfer.save_pages`` / ``load_pages``
   (chunk files with trailers, checksums verified on load, temp-file + rename publish) in a fresh
@@ -179,6 +182,50 @@ class RawFile(_Subject):
 
     def files(self) -> list[str]:
         return [str(self.workdir / "pages.bin")]
+
+
+class FilePerPage(_Subject):
+    """One plain file per page, spread over directories as the store's chunks are, written and
+    read by ``threads`` Python threads (the store's depth), buffered, without a checksum: the
+    yardstick of the store's warm loads (page-cache reads of files like its own)."""
+
+    name = "files"
+    pool = "torch"
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._pool = ThreadPoolExecutor(threads)
+
+    def prepare(self, workdir: Path, num_pages: int, page_bytes: int) -> None:
+        super().prepare(workdir, num_pages, page_bytes)
+        self._paths = [str(workdir / "c" / str(i % 64) / str(i)) for i in range(num_pages)]
+        for i in range(min(64, num_pages)):
+            os.makedirs(os.path.dirname(self._paths[i]), exist_ok=True)
+
+    def _each(self, fn: Callable[[int], None], n: int) -> None:
+        for _ in self._pool.map(fn, range(n)):
+            pass
+
+    def save(self, pages: torch.Tensor) -> None:
+        def one(i: int) -> None:
+            with open(self._paths[i], "wb", buffering=0) as f:
+                f.write(memoryview(pages[i].numpy()))
+
+        self._each(one, pages.shape[0])
+
+    def load(self, pages: torch.Tensor) -> None:
+        def one(i: int) -> None:
+            with open(self._paths[i], "rb", buffering=0) as f:
+                if f.readinto(memoryview(pages[i].numpy())) != pages.shape[1]:
+                    raise OSError(f"{self._paths[i]}: short read")
+
+        self._each(one, pages.shape[0])
+
+    def files(self) -> list[str]:
+        return self._paths
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
 
 class DiskCeiling(_Subject):
@@ -586,7 +633,8 @@ def _subjects(options: BenchOptions, base: Path, report: dict[str, Any], log: Ca
     reason in ``report["skipped"]``."""
     from gdskv.peers import PeerSubject, PeerUnavailable
 
-    subjects: list[Any] = [DiskCeiling(), RawFile(), RawFile(direct=True), _TorchSave()] if options.baselines else []
+    subjects: list[Any] = ([DiskCeiling(), RawFile(), RawFile(direct=True), FilePerPage(options.transfer_threads), _TorchSave()]
+                           if options.baselines else [])
     for pool in options.pools:
         try:
             page_pool(1, 4096, pool)
@@ -649,7 +697,7 @@ def _add_ratios(report: dict[str, Any], page_bytes: int) -> None:
     ceiling, and >= PEER_TARGET x vLLM where it ran)."""
     rows = {r["subject"]: r for r in report["results"] if r["page_bytes"] == page_bytes}
     raws = [row for name, row in rows.items() if name.startswith("raw")]
-    ceiling, vllm = rows.get("ceiling"), rows.get("peer:vllm-fs-tier")
+    ceiling, vllm, files = rows.get("ceiling"), rows.get("peer:vllm-fs-tier"), rows.get("files")
     for name, row in rows.items():
         if not name.startswith(("store:", "service:")):
             continue
@@ -659,6 +707,8 @@ def _add_ratios(report: dict[str, Any], page_bytes: int) -> None:
         if raws:
             row["vs_raw"] = {k: row[f"{k}_gbps"] / max(r[f"{k}_gbps"] for r in raws) for k in KINDS}
             met.append(row["vs_raw"]["save"] >= SAVE_TARGET)
+        if files:
+            row["warm_vs_files"] = row["load_warm_gbps"] / files["load_warm_gbps"]
         if ceiling:
             row["vs_ceiling"] = row["load_cold_gbps"] / ceiling["load_cold_gbps"]
             met.append(row["vs_ceiling"] >= LOAD_TARGET)
@@ -672,7 +722,7 @@ def _add_ratios(report: dict[str, Any], page_bytes: int) -> None:
 def format_report(report: dict[str, Any]) -> str:
     """The report as a table: GB/s per subject and page size, then the store's ratios."""
     lines = [f"{'page':>5} {'subject':<30} {'save':>6} {'cold':>6} {'warm':>6} {'hot':>6}   "
-             f"{'cold/ceil':>9} {'cold/vllm':>9} {'save/raw':>8} {'warm/raw':>8} {'hot/cold':>8}  target"]
+             f"{'cold/ceil':>9} {'cold/vllm':>9} {'save/raw':>8} {'warm/raw':>8} {'warm/files':>10} {'hot/cold':>8}  target"]
 
     def fmt(v: Any, spec: str = ".2f") -> str:
         return "-" if v is None else format(v, spec)
@@ -684,7 +734,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_size(row['page_bytes']):>5} {row['subject']:<30} {row['save_gbps']:>6.2f} {row['load_cold_gbps']:>6.2f} "
             f"{row['load_warm_gbps']:>6.2f} {fmt(row.get('load_hot_gbps')):>6}   {fmt(row.get('vs_ceiling')):>9} "
             f"{fmt(row.get('vs_vllm')):>9} {fmt(raw.get('save')):>8} {fmt(raw.get('load_warm')):>8} "
-            f"{fmt(row.get('hot_vs_cold')):>8}  "
+            f"{fmt(row.get('warm_vs_files')):>10} {fmt(row.get('hot_vs_cold')):>8}  "
             f"{'' if met is None else ('met' if met else 'MISSED')}")
     for what, why in report["skipped"].items():
         lines.append(f"{what} left out: {why}")
@@ -692,7 +742,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"GB/s = 1e9 bytes/s; medians of {opts['rounds']} rounds of {opts['total_bytes'] >> 20} MiB; save "
                  f"includes syncfs; cold = page cache dropped; warm = files in the page cache; targets: cold >= "
                  f"{LOAD_TARGET} x ceiling and >= {PEER_TARGET} x vLLM's tier, save >= {SAVE_TARGET} x the best raw "
-                 f"durable write; warm/raw compares with the better raw warm read (a page-cache copy)")
+                 f"durable write; warm/raw compares with the better raw warm read (a page-cache copy), warm/files with "
+                 f"plain buffered reads of one file per page (the same count and sizes) at the store's depth")
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gdskv.bench import ChunkWriter, _Subject, measure
+from gdskv.bench import ChunkWriter, FilePerPage, _Subject, measure
 from gdskv.io.posix import PosixEngine
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
 from gdskv.transfer import LoadStatus, PageTransfer
@@ -116,6 +116,16 @@ def test_every_timed_load_goes_into_cleared_pages_and_is_checked_after(tmp_path:
     assert good.calls == ["clear", "load", "check"] * 2
     with pytest.raises(RuntimeError, match="differ"):
         measure(_OneFile(warm_reads=False), source, source.clone(), tmp_path)
+
+
+def test_the_files_baseline_reads_back_what_it_wrote_one_file_per_page(tmp_path: Path) -> None:
+    source = torch.randint(0, 256, (70, 4096), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    files = FilePerPage(threads=4)
+    try:
+        secs = measure(files, source, torch.empty_like(source), tmp_path)  # measure checks every load
+        assert set(secs) == {"save", "load_cold", "load_warm"} and len(set(files.files())) == 70
+    finally:
+        files.close()
 
 
 def test_a_peer_whose_driver_dies_is_left_out_and_the_run_goes_on(tmp_path: Path, monkeypatch) -> None:

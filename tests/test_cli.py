@@ -324,7 +324,10 @@ def test_bench_runs_the_store_benchmark(tmp_path: Path) -> None:
               "--peers", "", "--json")
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
-    assert {r["subject"] for r in rep["results"]} >= {"store:posix@torch", "raw", "ceiling"}
+    rows = {r["subject"]: r for r in rep["results"]}
+    assert set(rows) >= {"store:posix@torch", "raw", "ceiling", "files"}
+    store, files = rows["store:posix@torch"], rows["files"]
+    assert files["load_warm_gbps"] > 0 and store["warm_vs_files"] == store["load_warm_gbps"] / files["load_warm_gbps"]
 
 
 def test_bench_plot_needs_matplotlib(tmp_path: Path) -> None:
