@@ -5,10 +5,10 @@ about 25 us, so a 32k-token prefix of 512 pages posted at once is a 13 ms stall 
 loop in the step that admits the request, while the disk can only take the first
 ``io_threads`` of them anyway. A ``PacedLoad`` posts one slice when it starts (or, with
 ``start_now=False``, at its first ``pump``) and one more at each ``pump`` (the serving loop calls
-it at every step's start and end) while fewer than a slice are unfinished, so each step pays for the pages the disk finished since, not for the whole
-prefix. Should every posted page finish between two pumps (steps longer than the disk needs for
-a slice), the last one to finish posts the next slice itself, so the disk never waits for the
-serving loop. Slices are not posted from transfer threads otherwise: Python work there competes
+it at every step's start and end) while fewer than a slice are unfinished, so each step pays for
+the pages the disk finished since, not for the whole prefix. Should every posted page finish
+between two pumps (steps longer than the disk needs for a slice), the last one to finish posts
+the next slice itself, so the disk never waits for the serving loop. Slices are not posted from transfer threads otherwise: Python work there competes
 with the serving thread for the interpreter (measured: decode steps 1.6-2x slower while a load
 posted its slices from completions).
 
