@@ -129,6 +129,7 @@ class Server:
         start = time.monotonic()
         while True:
             if self.proc.poll() is not None:
+                self._stop()
                 raise RuntimeError(f"max serve exited early ({self.proc.returncode}); see {self.log}")
             if time.monotonic() - start > START_TIMEOUT:
                 self._stop()

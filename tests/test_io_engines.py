@@ -226,7 +226,7 @@ def test_store_bench_runs_and_reports_ratios(driver: str, tmp_path: Path) -> Non
     subjects = {row["subject"] for row in report["results"] if row["page_bytes"] == 64 * KiB}
     stores = {f"store:{e}@{p}" for e in options.engines for p in options.pools}
     services = {f"service:host-tier@{p}" for p in options.pools}
-    assert subjects == {"ceiling", "raw", "raw+o_direct", "torch.save"} | stores | services
+    assert subjects == {"ceiling", "raw", "raw+o_direct", "files", "torch.save"} | stores | services
     store_row = next(r for r in report["results"] if r["subject"] == "store:kvikio@torch")
     assert set(store_row["vs_raw"]) == {"save", "load_cold", "load_warm"} and store_row["save_gbps"] > 0
     assert store_row["vs_ceiling"] > 0 and "vs_vllm" not in store_row

@@ -115,12 +115,14 @@ def test_a_request_aborted_while_its_async_load_runs_is_held_until_the_load_land
         worker.wait_for_layer_load(layer, None)
         worker.save_kv_layer(layer, None)
     worker.wait_for_save(None)
+    saved, loaded = worker.get_finished([], [7])  # the admitting step's end: the load's first slice is posted
+    assert saved == [] and worker.service.snapshot()["loads_posted"] > 0
     # aborted before its load was reported: the pages stay allocated until get_finished says so
     assert scheduler.request_finished_by_layer_group(req, pages) is True
     assert scheduler.tracked == 0
     given, deadline = [7], time.monotonic() + 10
     while True:
-        saved, loaded = worker.get_finished(given, given)
+        saved, loaded = worker.get_finished(given, [])
         given = []
         if saved:
             break
@@ -128,6 +130,27 @@ def test_a_request_aborted_while_its_async_load_runs_is_held_until_the_load_land
         time.sleep(0.002)
     assert saved == [7] and worker.tracked == 0 or worker.get_finished([], []) == ([], [7])
     worker.get_finished([], [])
+    assert worker.tracked == 0
+    worker.close()
+
+
+def test_a_request_aborted_before_its_async_load_started_reads_nothing_and_is_released_at_once(tmp_path):
+    store = str(tmp_path / "store")
+    shared = prompt(33, 2)
+    engine, scheduler, worker = stack(store)
+    engine.generate([shared], 2)
+    posted = worker.service.snapshot()["loads_posted"]
+    req = FakeRequest(8, shared)
+    assert scheduler.get_num_new_matched_tokens(req, 0) == (32, True)
+    pages = [list(range(9))]
+    scheduler.update_state_after_alloc_by_layer_group(req, pages)
+    worker.bind_connector_meta(scheduler.build_connector_meta(type("Out", (), {"new_requests": [], "cached_requests": []})()))
+    worker.start_load_kv(None)  # the load is planned; its first slice goes out at the step's get_finished
+    assert scheduler.request_finished_by_layer_group(req, pages) is True
+    saved, loaded = worker.get_finished([8], [8])
+    assert saved == [8] and loaded == [8]
+    assert worker.service.snapshot()["loads_posted"] == posted
+    assert worker.get_load_failures() == [8]  # nothing of it landed: the engine must not use its pages
     assert worker.tracked == 0
     worker.close()
 
