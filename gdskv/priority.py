@@ -8,8 +8,8 @@ Loads a forward pass waits for keep the engine's priority. Nice values are per t
 and inherited by the native threads a transfer thread starts; elsewhere ``setpriority`` would
 lower the whole process, so it is not applied there.
 
-Called once per thread, as the ``ThreadPoolExecutor`` initializer of ``PageTransfer``'s
-background pool.
+Called once per thread: as the ``ThreadPoolExecutor`` initializer of ``PageTransfer``'s
+background pool, and by the remote tier's upload threads (``gdskv.remote.upload``) as they start.
 """
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ class KvService:
                 self._host_copies = ThreadPoolExecutor(max_workers=HOST_COPY_THREADS, thread_name_prefix="gdskv-host")
         if cfg.remote is not None:
             try:
-                self.remote = RemoteTier(cfg.remote, auth_key, uploads=transfers)
+                self.remote = RemoteTier(cfg.remote, auth_key, uploads=transfers, background_nice=cfg.background_nice)
             except RemoteSetupError as e:
                 raise ServiceSetupError(str(e)) from None
             self.remote.start_leftovers([self.namespaces[r] for r in self.transfers])

@@ -8,7 +8,11 @@ in separate processes is ``tests/test_remote_nodes.py``.
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,3 +281,22 @@ def test_stock_zarr_reads_a_page_from_the_bucket(tmp_path, endpoint, prefix):
     hi, lo = fmt.chunk_index(a.namespace.store_key(0, KEYS[1]))
     got = arr[hi, :PAGE, lo]
     assert torch.equal(torch.from_numpy(got), page(KEYS[1], 0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice values are per thread on Linux only")
+def test_upload_threads_run_niced_as_the_other_background_transfers(tmp_path, endpoint, prefix):
+    def nice_of(thread: threading.Thread) -> int:
+        stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[16])
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    cfg = GdsKvConfig(store_path=str(tmp_path / "a"), remote=remote_table(endpoint.url, prefix), background_nice=6)
+    before = set(threading.enumerate())  # other tests' services may still be winding down
+    svc = KvService(cfg, SPEC)
+    uploaders = [t for t in threading.enumerate() if t.name.startswith("gdskv-upload-") and t not in before]
+    assert uploaders
+    assert wait_for(lambda: all(nice_of(t) == min(19, base + 6) for t in uploaders))
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
+    save_all(svc)  # and they still upload
+    assert wait_for(lambda: len(endpoint.keys(prefix)) > 0)
+    svc.close()

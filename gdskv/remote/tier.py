@@ -38,7 +38,7 @@ class RemoteTier:
     that transfers pages, with ``upload`` other than ``off``)."""
 
     def __init__(self, rc: RemoteConfig, auth_key: Optional[bytes], uploads: bool,
-                 client: Optional[ObjectClient] = None) -> None:
+                 client: Optional[ObjectClient] = None, background_nice: int = 0) -> None:
         self.rc = rc
         self.auth_key = auth_key
         self.client = client if client is not None else ObjectClient(rc)
@@ -46,7 +46,7 @@ class RemoteTier:
         self._negative: dict[tuple[str, int, bytes], float] = {}
         self._lock = threading.Lock()
         self._down_until = 0.0
-        self.uploader: Optional[Uploader] = Uploader(self.client, rc, auth_key, self._count, self) \
+        self.uploader: Optional[Uploader] = Uploader(self.client, rc, auth_key, self._count, self, nice=background_nice) \
             if uploads and rc.upload != "off" else None
 
     # -- health ------------------------------------------------------------------------------------

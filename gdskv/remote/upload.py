@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from gdskv import format as fmt
 from gdskv.config import RemoteConfig
+from gdskv.priority import lower_this_thread
 from gdskv.remote.client import ObjectClient, Outcome, RemoteUnavailable
 from gdskv.remote.objects import chunk_key, metadata_keys, read_local, verify
 from gdskv.store import Namespace
@@ -46,8 +47,11 @@ class Uploader:
     ``unreachable(ns, detail)``)."""
 
     def __init__(self, client: ObjectClient, rc: RemoteConfig, auth_key: Optional[bytes], count: Count, health: Any,
-                 threads: Optional[int] = None) -> None:
+                 threads: Optional[int] = None, nice: int = 0) -> None:
+        """``nice``: how much nicer than the caller the upload threads run (the config's
+        ``background_nice``: nothing waits on an upload in a step; ``gdskv.priority``)."""
         self.client = client
+        self._nice = nice
         self.rc = rc
         self.auth_key = auth_key
         self._count = count
@@ -60,7 +64,8 @@ class Uploader:
                          for i in range(threads or min(rc.concurrency, 8))]
         for t in self._workers:
             t.start()
-        self._through = ThreadPoolExecutor(max_workers=min(rc.concurrency, 8), thread_name_prefix="gdskv-upload-through")
+        self._through = ThreadPoolExecutor(max_workers=min(rc.concurrency, 8), thread_name_prefix="gdskv-upload-through",
+                                           initializer=lower_this_thread, initargs=(nice,))
         self._sync: Optional[threading.Thread] = None
         self._put_timeout = max(rc.timeout, UPLOAD_TIMEOUT)
         self.listing_refused = ""
@@ -236,6 +241,7 @@ class Uploader:
         self._sync.start()
 
     def _sync_logged(self, namespaces: list[Namespace]) -> None:
+        lower_this_thread(self._nice)
         try:
             n = self.sync(namespaces)
             if n:
@@ -245,6 +251,7 @@ class Uploader:
 
     # -- workers -----------------------------------------------------------------------------------
     def _work(self) -> None:
+        lower_this_thread(self._nice)
         while not self._closing:
             try:
                 item = self._queue.get(timeout=0.2)
