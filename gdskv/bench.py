@@ -193,7 +193,6 @@ class FilePerPage(_Subject):
     pool = "torch"
 
     def __init__(self, threads: int):
-        self.threads = threads
         self._pool = ThreadPoolExecutor(threads)
 
     def prepare(self, workdir: Path, num_pages: int, page_bytes: int) -> None:

@@ -327,10 +327,10 @@ class PageTransfer:
 
     def _batch(self, fn: Callable[..., Any], slice_fn: Callable[[int, list[tuple], int], list[Any]], group: int,
                jobs: list[tuple], ready: Optional[Any], on_done: Optional[DoneFn], pool: ThreadPoolExecutor) -> list[Future]:
-        """Run the jobs with ``depth`` pages in flight on ``pool``. Each pool thread waits on ``ready`` once,
-        then takes slices of jobs until none is left and resolves their futures itself: a batch
-        costs a few hand-offs, not one per page (the per-page submit, wake-up and future of the
-        pool were a fifth of a warm 64 KiB load). Where the native batch path applies
+        """Run the jobs with ``depth`` pages in flight on ``pool``. Each pool thread waits on
+        ``ready`` once, then takes slices of jobs until none is left and resolves their futures
+        itself: a batch costs a few hand-offs, not one per page (the per-page submit, wake-up and
+        future of the pool were a fifth of a warm 64 KiB load). Where the native batch path applies
         (``gdskv.io.batch``), at most ``NATIVE_CALLERS`` pool threads each pass slices of up to
         ``SLICE_PAGES`` pages to ``slice_fn(group, jobs, inner)``, which moves them on ``inner``
         native threads without the GIL (``callers * inner`` <= ``depth``): Python threads
@@ -563,9 +563,8 @@ class PageTransfer:
 
 def _started_pool(threads: int, name: str, nice: int) -> ThreadPoolExecutor:
     """A transfer pool, its threads started now rather than by the first batch on the serving
-    thread; ``nice`` > 0: each lowers itself that much first (``gdskv.priority``)."""
-    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name,
-                              initializer=lower_this_thread if nice > 0 else None, initargs=(nice,) if nice > 0 else ())
+    thread; each first lowers itself by ``nice`` (``gdskv.priority``; 0 leaves it alone)."""
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name, initializer=lower_this_thread, initargs=(nice,))
     for _ in range(threads):
         pool.submit(int)
     return pool

@@ -52,16 +52,20 @@ def max_python(given: Optional[str]) -> Path:
     if not py.exists():
         raise MaxUnavailable(f"no MAX virtualenv at {py.parent.parent} (made by tests/test_max_integration.py; "
                              "this bench does not install MAX)")
-    probe = subprocess.run([str(py), "-c", PROBE], capture_output=True, text=True, env=_env({}), cwd=REPO)
+    probe = subprocess.run([str(py), "-c", PROBE], capture_output=True, text=True, env=max_env(py, {}), cwd=REPO)
     if probe.returncode != 0:
         raise MaxUnavailable(f"{py} cannot import MAX and gdskv: {(probe.stderr.strip().splitlines() or ['?'])[-1]}")
     return py
 
 
-def _env(extra: dict[str, str]) -> dict[str, str]:
+def max_env(python: Path, extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a process of MAX's virtualenv (``python`` is its interpreter): none
+    of this process's gdskv settings, offline, no telemetry, the compile cache inside that
+    virtualenv (unless ``MODULAR_CACHE_DIR`` names one), then ``extra``. Also used by
+    ``tests/test_max_integration.py``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GDSKV_") and k != "PYTHONPATH"}
     env.update(HF_HUB_OFFLINE="1", MAX_SERVE_DISABLE_TELEMETRY="1")
-    env.setdefault("MODULAR_CACHE_DIR", str(venv_root() / "venv-max" / "modular-cache"))
+    env.setdefault("MODULAR_CACHE_DIR", str(python.parent.parent / "modular-cache"))
     env.update(extra)
     return env
 
@@ -71,7 +75,7 @@ def build_model(python: Path, out: Path, layers: int, heads: int, kv_heads: int,
     subprocess.run([str(python), str(REPO / "scripts" / "make_tiny_llama.py"), str(out), "--layers", str(layers),
                     "--heads", str(heads), "--kv-heads", str(kv_heads), "--head-dim", str(head_dim),
                     "--intermediate", str(intermediate), "--max-positions", str(max_positions)],
-                   check=True, capture_output=True, env=_env({}), cwd=REPO)
+                   check=True, capture_output=True, env=max_env(python, {}), cwd=REPO)
     return out
 
 
@@ -94,7 +98,7 @@ def prompts_of(python: Path, model: Path, lengths: tuple[int, ...]) -> dict[int,
     """A prompt of at least n tokens of the model's tokenizer per length n, each its own (seeded
     by n: no shared prefix), made by MAX's python (the tokenizer lives there)."""
     out = subprocess.run([str(python), "-c", _PROMPTS, str(model), " ".join(WORDS), json.dumps(list(lengths))],
-                         check=True, capture_output=True, text=True, env=_env({}), cwd=REPO)
+                         check=True, capture_output=True, text=True, env=max_env(python, {}), cwd=REPO)
     return {int(k): v for k, v in json.loads(out.stdout).items()}
 
 
@@ -125,7 +129,7 @@ class Server:
                    "--kv-connector-config", '{"type":"rust_tiered"}']
             extra = {"GDSKV_STORE": str(self.store), "GDSKV_MAX_METRICS": str(self.stats)}
         self._out = open(self.log, "w") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=_env(extra), cwd=REPO)
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=max_env(self.python, extra), cwd=REPO)
         start = time.monotonic()
         while True:
             if self.proc.poll() is not None:

@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +38,15 @@ from engine_venv import EngineVenv
 
 from gdskv import format as fmt
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+try:
+    from max_ttft import Server, max_env  # the bench's MAX harness: one way to run max serve
+finally:
+    sys.path.pop(0)
+
 pytestmark = pytest.mark.max
 
-REPO = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("GDSKV_MAX_VENV") or Path.home() / ".cache" / "gdskv-test" / "venv-max")
 MAX_REQUIREMENT = "max[serve]==26.7.0"
 PAGE_TOKENS = 128
@@ -71,12 +74,7 @@ def tiny_llama(max_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSKV_") and k != "PYTHONPATH"}
-    env["HF_HUB_OFFLINE"] = "1"
-    env["MAX_SERVE_DISABLE_TELEMETRY"] = "1"
-    env["MODULAR_CACHE_DIR"] = env.get("MODULAR_CACHE_DIR", str(VENV / "modular-cache"))
-    env.update(extra)
-    return env
+    return max_env(VENV / "bin" / "python", extra)
 
 
 @dataclass
@@ -111,40 +109,12 @@ def _generate(python: Path, model: Path, store: Path | None, stats_file: Path | 
 
 
 def _serve_once(python: Path, model: Path, store: Path, stats_file: Path) -> Run:
-    """``max serve`` with the connector, one greedy completion of the prompt, then SIGINT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(python), "-m", "gdskv.connectors.max_launch", "serve", "--model-path", str(model), "--devices", "cpu",
-           "--max-length", "1024", "--max-batch-size", "1", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-connector-config", '{"type":"rust_tiered"}']
-    env = _env({"GDSKV_STORE": str(store), "GDSKV_MAX_METRICS": str(stats_file)})
+    """``max serve`` with the connector (``scripts/max_ttft.py``'s ``Server``), one greedy
+    completion of the prompt, then SIGINT."""
     start = time.monotonic()
-    with open(stats_file.with_suffix(".log"), "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            while True:
-                assert server.poll() is None, f"max serve exited early; see {log.name}"
-                assert time.monotonic() - start < RUN_TIMEOUT, "max serve did not come up"
-                try:
-                    urllib.request.urlopen(f"{base}/v1/models", timeout=2).read()
-                    break
-                except OSError:
-                    time.sleep(1)
-            body = {"model": str(model), "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "top_k": 1, "seed": 0}
-            req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-            reply = json.load(urllib.request.urlopen(req, timeout=RUN_TIMEOUT))
-        finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-    return Run(reply["choices"][0]["text"], reply["usage"]["prompt_tokens"], json.loads(stats_file.read_text()),
-               time.monotonic() - start)
+    with Server(python, model, 1024, store, stats_file, log=stats_file.with_suffix(".log")) as server:
+        _, text, prompt_tokens = server.complete(PROMPT, 8)
+    return Run(text, prompt_tokens, json.loads(stats_file.read_text()), time.monotonic() - start)
 
 
 def _chunks(store: Path) -> list[Path]:
