@@ -50,8 +50,8 @@ def max_python(given: Optional[str]) -> Path:
     """The interpreter of a virtualenv with MAX and this checkout of gdskv; else ``MaxUnavailable``."""
     py = Path(given) if given else venv_root() / "venv-max" / "bin" / "python"
     if not py.exists():
-        raise MaxUnavailable(f"no MAX virtualenv at {py.parent.parent} (made by tests/test_max_integration.py; "
-                             "this bench does not install MAX)")
+        raise MaxUnavailable(f"no MAX virtualenv at {py.parent.parent} ({py} does not exist; made by "
+                             "tests/test_max_integration.py; this bench does not install MAX)")
     probe = subprocess.run([str(py), "-c", PROBE], capture_output=True, text=True, env=max_env(py, {}), cwd=REPO)
     if probe.returncode != 0:
         raise MaxUnavailable(f"{py} cannot import MAX and gdskv: {(probe.stderr.strip().splitlines() or ['?'])[-1]}")
