@@ -42,6 +42,7 @@ import ctypes
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 import google_crc32c
@@ -126,17 +127,33 @@ def _load_libcrc32c() -> Optional[ctypes.CDLL]:
     return None
 
 
+def _load_fast() -> Optional[ModuleType]:
+    """``gdskv._crc32c`` where it built and this CPU runs one of its kernels, else None."""
+    try:
+        from gdskv import _crc32c
+    except ImportError:
+        return None
+    return _crc32c if _crc32c.address() else None
+
+
 _LIB = _load_libcrc32c()
+_FAST = _load_fast()
 
 
-def crc32c_library() -> Optional[ctypes.CDLL]:
-    """google-crc32c's C library (None where it is not bundled): ``gdskv.io.batch`` hands its
-    ``crc32c_extend`` to the compiled batch path."""
-    return _LIB
+def crc32c_address() -> int:
+    """The address of a C function ``uint32_t (uint32_t value, const void *, size_t)`` computing
+    what ``crc32c_at`` does (``gdskv._crc32c``'s kernel, else google-crc32c's
+    ``crc32c_extend``), 0 where neither loaded: ``gdskv.io.batch`` hands it to the compiled batch
+    path."""
+    if _FAST is not None:
+        return _FAST.address()
+    return 0 if _LIB is None else ctypes.cast(_LIB.crc32c_extend, ctypes.c_void_p).value or 0
 
 
 def crc32c_at(address: int, nbytes: int, value: int = 0) -> int:
     """CRC32C of ``nbytes`` of host memory at ``address``, continuing from ``value``."""
+    if _FAST is not None:
+        return _FAST.crc32c_at(address, nbytes, value)
     if _LIB is not None:
         return _LIB.crc32c_extend(value, address, nbytes)
     return google_crc32c.extend(value, ctypes.string_at(address, nbytes))
@@ -145,6 +162,8 @@ def crc32c_at(address: int, nbytes: int, value: int = 0) -> int:
 def crc32c(data, value: int = 0) -> int:
     """CRC32C of a buffer-protocol object, continuing from ``value``."""
     view = memoryview(data).cast("B")
+    if _FAST is not None:
+        return _FAST.crc32c(view, value)
     if _LIB is None or view.readonly:
         return google_crc32c.extend(value, bytes(view))
     buf = (ctypes.c_char * view.nbytes).from_buffer(view)

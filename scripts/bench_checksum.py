@@ -2,7 +2,8 @@
 
     python scripts/bench_checksum.py [--sizes 256K,1M,4M] [--device cpu|cuda] [--threads N] [--json]
 
-Rows: CRC32C (``gdskv.format.crc32c_at``, host memory only), the device checksum
+Rows: CRC32C (``gdskv.format.crc32c_at``, host memory only: ``gdskv._crc32c``'s folding kernel
+where it runs, and google-crc32c's for comparison), the device checksum
 ``gdskv.checksum.poly_hash`` (torch, on ``--device``) and its numpy host form, the two MAC
 candidates (HMAC-SHA256, keyed BLAKE2b; ``chunk_mac`` uses HMAC-SHA256), and for a device other
 than the CPU the copy to the host that a MAC (or CRC32C) of a device page needs. Each figure is
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             "hmac-sha256 (host)": lambda: hmac.new(key, view, hashlib.sha256).digest(),
             "blake2b keyed (host)": lambda: hashlib.blake2b(view, key=key, digest_size=32).digest(),
         }
+        if fmt._LIB is not None:  # google-crc32c's own C library, zero-copy as crc32c_at uses it
+            subjects["crc32c google-crc32c (host)"] = lambda: fmt._LIB.crc32c_extend(0, ptr, n)
         if device.type != "cpu":
             subjects[f"copy {device} -> host"] = lambda: page.to("cpu")
             subjects["crc32c of a device page"] = lambda: cs.crc32c_segments([page])

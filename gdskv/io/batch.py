@@ -31,12 +31,7 @@ MAX_PIECES = 64
 _UNSUPPORTED = (errno.ENOSYS, errno.EPERM)  # no openat2 (old kernel, seccomp): per-page path for good
 
 
-def _crc_address() -> int:
-    lib = fmt.crc32c_library()
-    return 0 if lib is None else ctypes.cast(lib.crc32c_extend, ctypes.c_void_p).value or 0
-
-
-_CRC = _crc_address() if _batchio is not None else 0
+_CRC = fmt.crc32c_address() if _batchio is not None else 0
 _working = _batchio is not None and _CRC != 0
 
 Piece = tuple[int, int]

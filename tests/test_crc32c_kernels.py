@@ -1,0 +1,71 @@
+"""The carry-less-multiplication CRC32C kernels of ``gdskv._crc32c`` (what ``gdskv.format``
+seals and checks pages with, and the native batch path checksums every chunk it reads with) give
+exactly google-crc32c's CRC32C: every length around the kernels' block and fold boundaries,
+unaligned starts, a continued CRC, and whole pages; ``gdskv.format`` gives the same value with or
+without them."""
+from __future__ import annotations
+
+import ctypes
+import random
+
+import google_crc32c
+import pytest
+
+from gdskv import format as fmt
+
+try:
+    from gdskv import _crc32c
+except ImportError:  # built by pip install where a C compiler is present
+    _crc32c = None
+KERNELS = ("vpclmul", "pclmul", None)
+
+
+@pytest.fixture(params=KERNELS, ids=lambda k: k or "chosen")
+def kernel(request):
+    if _crc32c is None:
+        pytest.skip("gdskv._crc32c is not built in this environment")
+    if _crc32c.crc32c(b"", 0, request.param) is None:
+        pytest.skip(f"this CPU cannot run the {request.param or 'chosen'} CRC32C kernel")
+    return request.param
+
+
+def test_every_length_and_start_around_the_fold_boundaries_matches_google_crc32c(kernel):
+    rng = random.Random(7)
+    data = rng.randbytes(4096)
+    for n in list(range(0, 1100)) + [2047, 2048, 2049, 4000]:
+        start = rng.randrange(0, 64)
+        piece = data[start:start + n]
+        value = rng.getrandbits(32) if n % 3 else 0
+        assert _crc32c.crc32c(piece, value, kernel) == google_crc32c.extend(value, piece), (n, start)
+
+
+def test_whole_pages_and_a_crc_continued_across_pieces_match(kernel):
+    rng = random.Random(8)
+    for size in (64 << 10, (1 << 20) + 3, 4 << 20):
+        page = rng.randbytes(size)
+        whole = google_crc32c.value(page)
+        assert _crc32c.crc32c(page, 0, kernel) == whole
+        cut = rng.randrange(1, size)
+        assert _crc32c.crc32c(page[cut:], _crc32c.crc32c(page[:cut], 0, kernel), kernel) == whole
+
+
+def test_one_flipped_bit_changes_the_crc(kernel):
+    page = bytearray(random.Random(9).randbytes(1 << 20))
+    before = _crc32c.crc32c(bytes(page), 0, kernel)
+    page[123_457] ^= 0x10
+    assert _crc32c.crc32c(bytes(page), 0, kernel) != before
+
+
+def test_an_unknown_kernel_name_is_none():
+    if _crc32c is None:
+        pytest.skip("gdskv._crc32c is not built in this environment")
+    assert _crc32c.crc32c(b"abc", 0, "no-such-kernel") is None
+
+
+def test_format_gives_the_same_crc_with_or_without_the_kernels(monkeypatch):
+    page = bytearray(random.Random(10).randbytes((1 << 20) + 5))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    fast = (fmt.crc32c(page), fmt.crc32c(bytes(page), 11), fmt.crc32c_at(address, len(page), 11))
+    monkeypatch.setattr(fmt, "_FAST", None)
+    assert fast == (google_crc32c.value(bytes(page)), fmt.crc32c(bytes(page), 11), fmt.crc32c_at(address, len(page), 11))
+    assert fast[1] == google_crc32c.extend(11, bytes(page))
