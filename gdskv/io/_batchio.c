@@ -16,8 +16,9 @@
  *   jobs: [(relpath: bytes, pieces: [(address, length), ...][, outs[, expect]]), ...]; the
  *   pieces lie end to end in the file from offset 0 and the last one is the chunk's trailer.
  *   err 0: every byte read, crc = CRC32C of all pieces but the last (crc_fn: the address
- *   gdskv.format.crc32c_address gives, gdskv._crc32c's kernel or google-crc32c's crc32c_extend). outs (optional, None, or the payload's length in all): where
- *   the payload is copied too once read (the host tier's buffer for the page). expect (optional):
+ *   gdskv.format.crc32c_address gives, gdskv._crc32c's kernel or google-crc32c's
+ *   crc32c_extend). outs (optional, None, or the payload's length in all): where the payload
+ *   is copied too once read (the host tier's buffer for the page). expect (optional):
  *   what the trailer must say (see trailer_ok); verified 1 when it does, so the caller's Python
  *   checks only the chunks that fail here. The payload is walked once, in cache-sized steps,
  *   each checksummed and then copied (out of staging, into outs) while in cache; a chunk mostly
