@@ -251,8 +251,8 @@ def test_a_load_refreshes_the_mtime_and_leaves_a_lease_in_the_atime_alone(store_
 
 def test_a_load_through_a_via_buffer_fills_it_and_the_page_with_the_same_verified_bytes(store_path, io_path):
     """``(key, segments, via)``: the page's two segments and ``via`` both get the chunk's payload
-    (cold: O_DIRECT through the staging buffer on the native path); a corrupt chunk is a miss
-    either way."""
+    (cold: O_DIRECT through the staging buffer on the native path; warm: through the page cache,
+    into unaligned buffers); a corrupt chunk is a miss either way."""
     from gdskv.io.posix import aligned_host_buffer
 
     x = make(store_path)
@@ -272,6 +272,16 @@ def test_a_load_through_a_via_buffer_fills_it_and_the_page_with_the_same_verifie
     assert got == [LoadStatus.LOADED] * 7 + [LoadStatus.CORRUPT]
     for i in range(7):
         assert torch.equal(vias[i], src[i]) and torch.equal(torch.cat(halves[i]), src[i])
+    # warm (each chunk read through the page cache a step at a time), into buffers 3 bytes off
+    # any alignment, so the copy-outs start and end mid-line
+    for i in range(7):
+        Path(x.ns.chunk_path(0, KEYS[i])).read_bytes()
+    odd = torch.frombuffer(aligned_host_buffer(7 * PAGE + 3), dtype=torch.uint8)[3:].view(7, PAGE)
+    odd.fill_(0x55)
+    pages = torch.zeros(7, PAGE, dtype=torch.uint8)
+    got = [f.result() for f in x.load_pages(0, [(KEYS[i], [pages[i]], odd[i]) for i in range(7)])]
+    assert got == [LoadStatus.LOADED] * 7
+    assert torch.equal(odd, src[:7]) and torch.equal(pages, src[:7])
     x.close()
 
 
