@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from gdskv import checksum as cs  # noqa: E402
 from gdskv import format as fmt  # noqa: E402
+from gdskv.bench import OneLineParser  # noqa: E402
 from gdskv.config import parse_size  # noqa: E402
 
 
@@ -49,9 +50,16 @@ def _rate(fn: Callable[[], object], nbytes: int, seconds: float, repeats: int, s
     return statistics.median(rates)
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        return [parse_size(s) for s in text.split(",")]
+    except ValueError as e:  # argparse would say "invalid _sizes value"
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="256K,1M,4M", help="page sizes, comma separated")
+    ap = OneLineParser(prog="bench_checksum", description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", type=_sizes, default="256K,1M,4M", help="page sizes, comma separated")
     ap.add_argument("--device", default="cpu", help="torch device of the page (cpu, cuda, cuda:1 ...)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--seconds", type=float, default=0.3, help="time per measurement")
@@ -62,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(opts.threads)
     device = torch.device(opts.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sizes = [parse_size(s) for s in opts.sizes.split(",")]
+    sizes = opts.sizes
     key = os.urandom(32)
     rows: dict[str, dict[str, float]] = {}
     for n in sizes:

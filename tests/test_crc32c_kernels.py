@@ -6,7 +6,11 @@ without them."""
 from __future__ import annotations
 
 import ctypes
+import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import google_crc32c
 import pytest
@@ -69,3 +73,15 @@ def test_format_gives_the_same_crc_with_or_without_the_kernels(monkeypatch):
     monkeypatch.setattr(fmt, "_FAST", None)
     assert fast == (google_crc32c.value(bytes(page)), fmt.crc32c(bytes(page), 11), fmt.crc32c_at(address, len(page), 11))
     assert fast[1] == google_crc32c.extend(11, bytes(page))
+
+
+def test_bench_checksum_shows_both_crc32c_rows_and_answers_a_bad_size_in_one_line():
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_checksum.py"
+    run = subprocess.run([sys.executable, str(script), "--sizes", "64K", "--seconds", "0.02", "--repeats", "1", "--json"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)["results"]
+    assert rows["crc32c (host)"]["64K"] > 0 and rows["crc32c google-crc32c (host)"]["64K"] > 0
+    bad = subprocess.run([sys.executable, str(script), "--sizes", "64K,bad"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == "bench_checksum: argument --sizes: not a size: 'bad' (expected e.g. 4096, 512M, 500G)\n"
