@@ -104,6 +104,23 @@ def store_key(namespace_id: str, layer_group: int, key: bytes) -> bytes:
     return h.digest()
 
 
+def store_keys(namespace_id: str, layer_group: int, keys: Sequence[bytes]) -> list[bytes]:
+    """``store_key`` of each key, in order: a lookup names the 512 chunks of a 32k-token prompt at
+    once, and a loop here costs half of calling ``store_key`` for each."""
+    out = []
+    prefixes: dict[int, "hashlib._Hash"] = {}
+    for key in keys:
+        if type(key) is not bytes or len(key) not in CANONICAL_LENGTHS:
+            key = canonical_key(key)
+        h = prefixes.get(len(key))
+        if h is None:
+            h = prefixes[len(key)] = _store_key_prefix(namespace_id, layer_group, len(key))
+        h = h.copy()
+        h.update(key)
+        out.append(h.digest())
+    return out
+
+
 @functools.lru_cache(maxsize=256)
 def _store_key_prefix(namespace_id: str, layer_group: int, key_length: int) -> "hashlib._Hash":
     """The hash state of ``store_key`` before the key (a copy of it costs a third of hashing

@@ -34,7 +34,7 @@ calls ``plan_lookup`` from ``get_num_new_matched_tokens``, ``RequestState.record
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from gdskv.keys import chain_keys
 from gdskv.layout import valid_page_slots
@@ -46,11 +46,12 @@ StoredFn = Callable[[int, Sequence[bytes]], list[bool]]
 
 # --- the metadata the workers execute -------------------------------------------------------
 
-@dataclass(frozen=True)
-class PageOp:
+class PageOp(NamedTuple):
     """One page transfer: the page slot ``page_slot`` of layer group ``layer_group_id`` to or
     from the store chunk named ``key`` (``parent_key`` is the key of the block before it, or
-    ``None`` for block 0; the store records it for prefix-aware eviction)."""
+    ``None`` for block 0; the store records it for prefix-aware eviction). A tuple: a 32k-token
+    prefix is 512 of them, made, pickled into the step's metadata and unpickled on every rank in
+    the step that admits the request (1.0 ms here, against 1.6 as a frozen dataclass)."""
 
     layer_group_id: int
     page_slot: int
@@ -137,11 +138,15 @@ def contiguous_hits(present: Sequence[Sequence[bool]], first: int = 0) -> int:
     ordinal ``first + i``; the run stops at the first ordinal any holder misses. Returns the
     ordinal one past the run (``first`` when nothing is held).
     """
-    n = min((len(p) for p in present), default=0)
-    for i in range(n):
-        if not all(p[i] for p in present):
+    if len(present) == 1:  # one holder (the common case): a plain scan, no per-ordinal all()
+        for i, held in enumerate(present[0]):
+            if not held:
+                return first + i
+        return first + len(present[0])
+    for i, held in enumerate(zip(*present)):
+        if not all(held):
             return first + i
-    return first + n
+    return first + min((len(p) for p in present), default=0)
 
 
 @dataclass(frozen=True)

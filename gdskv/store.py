@@ -42,7 +42,7 @@ from zarr.storage import MemoryStore
 from gdskv import format as fmt
 from gdskv.confined import ConfinedDir
 from gdskv.io import batch as batchio
-from gdskv.keys import store_key
+from gdskv.keys import store_key, store_keys
 
 log = logging.getLogger(__name__)
 
@@ -230,14 +230,18 @@ class Namespace:
         once: bounded, and never stale, since each is a pure function of the key)."""
         cached = self._store_keys.get((group, key)) if type(key) is bytes else None
         if cached is None:
-            skey = store_key(self.id, group, key)
-            hi, lo = fmt.chunk_index(skey)
-            cached = (skey, f"ns/{self.id}/g{group}/c/{hi}/0", str(lo), fmt.index_relpath(hi, lo))
-            if type(key) is bytes:
-                if len(self._store_keys) >= STORE_KEY_CACHE:
-                    self._store_keys.clear()
-                self._store_keys[(group, key)] = cached
+            cached = self._remember(group, key, store_key(self.id, group, key))
         return cached
+
+    def _remember(self, group: int, key: bytes, skey: bytes) -> tuple[bytes, str, str, str]:
+        """``_named``'s entry for ``key``, whose store key is ``skey``, kept when the key is bytes."""
+        hi, lo = fmt.chunk_index(skey)
+        entry = (skey, f"ns/{self.id}/g{group}/c/{hi}/0", str(lo), fmt.index_relpath(hi, lo))
+        if type(key) is bytes:
+            if len(self._store_keys) >= STORE_KEY_CACHE:
+                self._store_keys.clear()
+            self._store_keys[(group, key)] = entry
+        return entry
 
     def chunk_path(self, group: int, key: bytes) -> str:
         """Called per key on every lookup: plain strings, no pathlib."""
@@ -257,6 +261,17 @@ class Namespace:
         rel_dir, name = self.chunk_location(group, key)
         return f"{rel_dir}/{name}"
 
+    def chunk_relpaths(self, group: int, keys: Sequence[bytes]) -> list[str]:
+        """``chunk_relpath`` of each key: what a lookup hands the native path for 512 blocks of a
+        32k-token prompt, named in one loop over the name cache (``_named`` for the rest)."""
+        cache = self._store_keys
+        entries = [cache.get((group, key)) if type(key) is bytes else None for key in keys]
+        unnamed = [i for i, entry in enumerate(entries) if entry is None]
+        if unnamed:  # store keys of a new prompt's blocks hashed in one loop (store_keys)
+            for i, skey in zip(unnamed, store_keys(self.id, group, [keys[i] for i in unnamed])):
+                entries[i] = self._remember(group, keys[i], skey)
+        return [f"{entry[1]}/{entry[2]}" for entry in entries]  # type: ignore[index]
+
     def contains_many(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Presence of each key's chunk: a regular file (never a link) of the size a complete
         chunk has. One ``stat`` per key: cost is flat in the store's size. Payload checks
@@ -264,7 +279,7 @@ class Namespace:
         without the GIL, every path resolved beneath the root without following a link."""
         want = self.chunk_nbytes(group)
         if batchio.available():
-            got = batchio.stat_chunks(self.store.fs.fd, [self.chunk_relpath(group, k) for k in keys], want)
+            got = batchio.stat_chunks(self.store.fs.fd, self.chunk_relpaths(group, keys), want)
             if got is not None:
                 if self._unusable:
                     got = [ok and not self._remembered_unusable(self.chunk_path(group, k)) for ok, k in zip(got, keys)]
@@ -313,7 +328,7 @@ class Namespace:
         lease = int(lease_seconds * 1e9)
         fs = self.store.fs
         want = self.chunk_nbytes(group) if present else 0
-        out = (batchio.lease_chunks(fs.fd, [self.chunk_relpath(group, k) for k in keys], now + lease, now, bool(lease), want)
+        out = (batchio.lease_chunks(fs.fd, self.chunk_relpaths(group, keys), now + lease, now, bool(lease), want)
                if batchio.available() else None)
         if out is None:
             out = self._lease_each(group, keys, now, lease, want)

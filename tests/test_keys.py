@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gdskv.keys import block_key, canonical_key, chain_keys, store_key
+from gdskv.keys import block_key, canonical_key, chain_keys, store_key, store_keys
 
 TOKENS = list(range(100, 164))
 
@@ -52,6 +52,15 @@ def test_store_keys_are_the_documented_digest_whatever_was_named_before():
         want = hashlib.sha256(b"gdskv/store/v1\0" + ns.encode() + struct.pack("<IB", group, len(key)) + key).digest()
         assert store_key(ns, group, key) == want
     assert store_key("ns1", 0, k).hex() == store_key("ns1", 0, bytearray(k)).hex()
+
+
+def test_store_keys_of_many_are_each_store_key():
+    keys = chain_keys(TOKENS, 16) + [b"\x07" * 8, bytearray(b"\x09" * 32), memoryview(b"\x03" * 8)]
+    for ns, group in [("ns1", 0), ("ns2", 5)]:
+        assert store_keys(ns, group, keys) == [store_key(ns, group, k) for k in keys]
+    assert store_keys("ns1", 0, []) == []
+    with pytest.raises(ValueError, match="8 or 32"):
+        store_keys("ns1", 0, [keys[0], b"x" * 16])
 
 
 def test_canonical_hashes_are_used_as_given():

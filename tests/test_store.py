@@ -84,6 +84,19 @@ def test_contains_many_batches(xfer):
     assert xfer.ns.contains_many(0, KEYS) == [True, False, True, True]
 
 
+def test_chunk_relpaths_name_every_key_as_one_at_a_time_does(xfer):
+    ns = xfer.ns
+    keys = KEYS + [b"\x05" * 8, bytearray(KEYS[0])]
+    one_by_one = [ns.chunk_relpath(0, bytes(k)) for k in keys]
+    ns._store_keys.clear()  # a new prompt's keys: named in one batch
+    assert ns.chunk_relpaths(0, keys) == one_by_one
+    assert ns.chunk_relpaths(0, keys) == one_by_one  # remembered
+    assert ns.chunk_relpaths(1, keys[:1]) != one_by_one[:1]  # another group, another chunk
+    assert [ns.store_key(0, k) for k in keys] == [ns.store_key(0, bytes(k)) for k in keys]
+    with pytest.raises(ValueError, match="8 or 32"):
+        ns.chunk_relpaths(0, [b"x" * 16])
+
+
 def _corrupt_flip(ns, path, _other):
     raw = bytearray(Path(path).read_bytes())
     raw[1234] ^= 0x40
