@@ -98,15 +98,12 @@ def canonical_key(h: bytes) -> bytes:
 
 def store_key(namespace_id: str, layer_group: int, key: bytes) -> bytes:
     """The 32-byte identity of (namespace, layer group, block key): what a chunk is named by."""
-    key = canonical_key(key)
-    h = _store_key_prefix(namespace_id, layer_group, len(key)).copy()
-    h.update(key)
-    return h.digest()
+    return store_keys(namespace_id, layer_group, [key])[0]
 
 
 def store_keys(namespace_id: str, layer_group: int, keys: Sequence[bytes]) -> list[bytes]:
-    """``store_key`` of each key, in order: a lookup names the 512 chunks of a 32k-token prompt at
-    once (0.6 ms for 512 here, against 1.1 calling ``store_key`` for each)."""
+    """``store_key`` of each key, in order (the formula lives here): a lookup names the 512 chunks
+    of a 32k-token prompt at once (0.6 ms for 512 here, against 1.1 one at a time)."""
     out = []
     prefixes: dict[int, "hashlib._Hash"] = {}
     for key in keys:
