@@ -230,18 +230,14 @@ class Namespace:
         once: bounded, and never stale, since each is a pure function of the key)."""
         cached = self._store_keys.get((group, key)) if type(key) is bytes else None
         if cached is None:
-            cached = self._remember(group, key, store_key(self.id, group, key))
+            skey = store_key(self.id, group, key)
+            hi, lo = fmt.chunk_index(skey)
+            cached = (skey, f"{self.array_relpath(group)}/c/{hi}/0", str(lo), fmt.index_relpath(hi, lo))
+            if type(key) is bytes:
+                if len(self._store_keys) >= STORE_KEY_CACHE:
+                    self._store_keys.clear()
+                self._store_keys[(group, key)] = cached
         return cached
-
-    def _remember(self, group: int, key: bytes, skey: bytes) -> tuple[bytes, str, str, str]:
-        """``_named``'s entry for ``key``, whose store key is ``skey``, kept when the key is bytes."""
-        hi, lo = fmt.chunk_index(skey)
-        entry = (skey, f"ns/{self.id}/g{group}/c/{hi}/0", str(lo), fmt.index_relpath(hi, lo))
-        if type(key) is bytes:
-            if len(self._store_keys) >= STORE_KEY_CACHE:
-                self._store_keys.clear()
-            self._store_keys[(group, key)] = entry
-        return entry
 
     def chunk_path(self, group: int, key: bytes) -> str:
         """Called per key on every lookup: plain strings, no pathlib."""
@@ -261,17 +257,23 @@ class Namespace:
         rel_dir, name = self.chunk_location(group, key)
         return f"{rel_dir}/{name}"
 
-    def chunk_relpaths(self, group: int, keys: Sequence[bytes]) -> list[str]:
-        """``chunk_relpath`` of each key: what a lookup hands the native path for the 512 blocks of
-        a 32k-token prompt. Names come from the name cache; a new prompt's store keys are hashed
-        together (``gdskv.keys.store_keys``: 0.6 against 1.1 ms for 512 one at a time)."""
+    def array_relpath(self, group: int) -> str:
+        """The array directory of ``group`` relative to the store root."""
+        return f"ns/{self.id}/g{group}"
+
+    def store_key_run(self, group: int, keys: Sequence[bytes]) -> bytes:
+        """The store keys of ``keys``, concatenated: how a lookup names the 512 chunks of a
+        32k-token prompt to the native path (``gdskv.io.batch``), which makes their paths itself.
+        Remembered names are used; a new prompt's keys are hashed in one loop
+        (``gdskv.keys.store_keys``) and not remembered (what a lookup needs is the hash alone)."""
         cache = self._store_keys
-        entries = [cache.get((group, key)) if type(key) is bytes else None for key in keys]
-        unnamed = [i for i, entry in enumerate(entries) if entry is None]
-        if unnamed:  # store keys of a new prompt's blocks hashed in one loop (store_keys)
+        named = [cache.get((group, key)) if type(key) is bytes else None for key in keys]
+        unnamed = [i for i, entry in enumerate(named) if entry is None]
+        skeys = [entry[0] if entry is not None else b"" for entry in named]
+        if unnamed:
             for i, skey in zip(unnamed, store_keys(self.id, group, [keys[i] for i in unnamed])):
-                entries[i] = self._remember(group, keys[i], skey)
-        return [f"{entry[1]}/{entry[2]}" for entry in entries]  # type: ignore[index]
+                skeys[i] = skey
+        return b"".join(skeys)
 
     def contains_many(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Presence of each key's chunk: a regular file (never a link) of the size a complete
@@ -280,7 +282,7 @@ class Namespace:
         without the GIL, every path resolved beneath the root without following a link."""
         want = self.chunk_nbytes(group)
         if batchio.available():
-            got = batchio.stat_chunks(self.store.fs.fd, self.chunk_relpaths(group, keys), want)
+            got = batchio.stat_chunks(self.store.fs.fd, self.array_relpath(group), self.store_key_run(group, keys), want)
             if got is not None:
                 if self._unusable:
                     got = [ok and not self._remembered_unusable(self.chunk_path(group, k)) for ok, k in zip(got, keys)]
@@ -329,8 +331,8 @@ class Namespace:
         lease = int(lease_seconds * 1e9)
         fs = self.store.fs
         want = self.chunk_nbytes(group) if present else 0
-        out = (batchio.lease_chunks(fs.fd, self.chunk_relpaths(group, keys), now + lease, now, bool(lease), want)
-               if batchio.available() else None)
+        out = (batchio.lease_chunks(fs.fd, self.array_relpath(group), self.store_key_run(group, keys), now + lease, now,
+                                    bool(lease), want) if batchio.available() else None)
         if out is None:
             out = self._lease_each(group, keys, now, lease, want)
         if present and self._unusable:

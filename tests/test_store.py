@@ -84,17 +84,44 @@ def test_contains_many_batches(xfer):
     assert xfer.ns.contains_many(0, KEYS) == [True, False, True, True]
 
 
-def test_chunk_relpaths_name_every_key_as_one_at_a_time_does(xfer):
+def test_store_key_run_is_every_store_key_in_order(xfer):
     ns = xfer.ns
     keys = KEYS + [b"\x05" * 8, bytearray(KEYS[0])]
-    one_by_one = [ns.chunk_relpath(0, bytes(k)) for k in keys]
-    ns._store_keys.clear()  # a new prompt's keys: named in one batch
-    assert ns.chunk_relpaths(0, keys) == one_by_one
-    assert ns.chunk_relpaths(0, keys) == one_by_one  # remembered
-    assert ns.chunk_relpaths(1, keys[:1]) != one_by_one[:1]  # another group, another chunk
-    assert [ns.store_key(0, k) for k in keys] == [ns.store_key(0, bytes(k)) for k in keys]
+    one_by_one = b"".join(ns.store_key(0, bytes(k)) for k in keys)
+    ns._store_keys.clear()  # a new prompt's keys: hashed in one batch
+    assert ns.store_key_run(0, keys) == one_by_one
+    [ns.store_key(0, bytes(k)) for k in keys]
+    assert ns.store_key_run(0, keys) == one_by_one  # from the remembered names
+    assert ns.store_key_run(1, keys[:1]) != one_by_one[:32]  # another group, another chunk
     with pytest.raises(ValueError, match="8 or 32"):
-        ns.chunk_relpaths(0, [b"x" * 16])
+        ns.store_key_run(0, [b"x" * 16])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_lookups_find_exactly_the_chunks_saves_named(xfer, monkeypatch, native):
+    """The native lookup names chunks from their store keys itself (``_batchio.c``): it must
+    find every chunk the Python naming published, under every leading-bits pattern, and no other."""
+    from gdskv.io import batch as batchio
+
+    if native and not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    if not native:
+        monkeypatch.setattr(batchio, "_working", False)
+    ns = xfer.ns
+    keys = chain_keys(list(range(16 * 120)), 16, "names")
+    saved = set(range(0, 120, 3)) | {1, 119}
+    page = rand_page(5096, 3)
+    for i in sorted(saved):
+        assert xfer.save_page(0, keys[i], None, [page]).result() is SaveStatus.PUBLISHED
+    his = {fmt.chunk_index(ns.store_key(0, keys[i]))[0] for i in saved}
+    assert len(his) > 30  # spread over many directories, as real keys are
+    want = [i in saved for i in range(len(keys))]
+    ns._store_keys.clear()
+    assert ns.contains_many(0, keys) == want
+    assert ns.lease_many(0, keys, lease_seconds=60, present=True) == want
+    shutil.rmtree(ns.array_path(0))  # no array directory: nothing there, no error
+    assert ns.contains_many(0, keys) == [False] * len(keys)
+    assert ns.lease_many(0, keys, lease_seconds=60, present=True) == [False] * len(keys)
 
 
 def _corrupt_flip(ns, path, _other):

@@ -39,10 +39,12 @@
  *   preallocated first so both land in one extent.
  * threads: jobs of one call run on that many threads of its own (at most 64), each with its own
  *   staging buffer, so one call keeps several requests in flight without Python.
- * stat_chunks(root_fd, rels, size) / lease_chunks(root_fd, rels, atime_ns, mtime_ns, check, size):
- *   a lookup's presence checks and leases (gdskv.store.Namespace.contains_many / lease_many),
- *   one call per lookup, each path resolved beneath the root without following a link; a long
- *   lookup runs on up to PATH_THREADS threads (one per PATHS_PER_THREAD paths).
+ * stat_chunks(root_fd, base, skeys, hi_bits, lo_bits, size) / lease_chunks(..., atime_ns, mtime_ns,
+ *   check, size): a lookup's presence checks and leases (gdskv.store.Namespace.contains_many /
+ *   lease_many), one call per lookup, named by the chunks' store keys (one bytes object) beneath
+ *   their array directory, which is resolved once; each chunk's directory beneath it without
+ *   following a link; a long lookup runs on up to PATH_THREADS threads (one per
+ *   PATHS_PER_THREAD keys).
  * copy_many(copies, threads): host-memory copies [(dst, src, length), ...] in 1 MiB pieces on
  *   that many threads, the GIL released (host-tier hits into plain host memory).
  * staging, staging_len (the two arguments after threads, in both): the caller's aligned memory
@@ -731,37 +733,22 @@ static PyObject *write_chunks(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* Parses a sequence of relative paths (bytes) into NUL-terminated copies; NULL on error. */
-static char **parse_paths(PyObject *list, Py_ssize_t *count) {
-    PyObject *fast = PySequence_Fast(list, "paths must be a sequence");
-    if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    char **paths = calloc(n ? n : 1, sizeof(char *));
-    if (!paths) {
-        Py_DECREF(fast);
-        PyErr_NoMemory();
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!(paths[i] = copy_bytes(PySequence_Fast_GET_ITEM(fast, i)))) {
-            for (Py_ssize_t k = 0; k < i; k++) free(paths[k]);
-            free(paths);
-            Py_DECREF(fast);
-            return NULL;
-        }
-    }
-    Py_DECREF(fast);
-    *count = n;
-    return paths;
+/* A chunk's name beneath its array directory, from its 32-byte store key: what
+ * gdskv.format.chunk_index and index_relpath make of it ("c/<hi>/0/<lo>", hi and lo the key's
+ * leading hi_bits and next lo_bits, big-endian). */
+#define NAME_MAX_LEN 48
+static void chunk_name(const unsigned char *skey, int hi_bits, int lo_bits, char *out) {
+    uint64_t lead = 0;
+    for (int b = 0; b < 8; b++) lead = lead << 8 | skey[b];
+    lead >>= 64 - hi_bits - lo_bits;
+    uint64_t lo = lo_bits == 64 ? lead : lead & ((1ULL << lo_bits) - 1);
+    uint64_t hi = lo_bits == 64 ? 0 : lead >> lo_bits;
+    snprintf(out, NAME_MAX_LEN, "c/%llu/0/%llu", (unsigned long long)hi, (unsigned long long)lo);
 }
 
 /* The directory of `rel` opened beneath `root` (no links), and its last component in `*name`. */
 static int open_parent(int root, char *rel, const char **name) {
     char *slash = strrchr(rel, '/');
-    if (!slash) {
-        *name = rel;
-        return open_beneath(root, ".", O_PATH | O_DIRECTORY, 0);
-    }
     *slash = 0;
     int dfd = open_beneath(root, rel, O_PATH | O_DIRECTORY, 0);
     *slash = '/';
@@ -779,13 +766,13 @@ static PyObject *answers(const signed char *ok, Py_ssize_t n) {
 
 #define REFUSED_OPENAT2 (errno == ENOSYS || errno == EPERM)
 
-/* Runs `fn` on each path's directory (opened beneath `root`, no links) and last component,
- * with the GIL released; the answers as `answers` gives them. */
+/* Runs `fn` on each chunk's directory (opened beneath the array directory, no links) and last
+ * component, with the GIL released; the answers as `answers` gives them. */
 typedef signed char (*path_fn)(int dfd, const char *name, Py_ssize_t i, const void *ctx);
 
 typedef struct {
-    int root;
-    char **paths;
+    int base;
+    char (*paths)[NAME_MAX_LEN];
     signed char *ok;
     Py_ssize_t n;
     Py_ssize_t next;
@@ -799,7 +786,7 @@ static void *run_paths(void *arg) {
         Py_ssize_t i = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED);
         if (i >= p->n) break;
         const char *name;
-        int dfd = open_parent(p->root, p->paths[i], &name);
+        int dfd = open_parent(p->base, p->paths[i], &name);
         if (dfd < 0) {
             p->ok[i] = REFUSED_OPENAT2 ? -1 : 0;
             continue;
@@ -814,24 +801,37 @@ static void *run_paths(void *arg) {
 #define PATHS_PER_THREAD 128
 #define PATH_THREADS 4
 
-static PyObject *each_path(int root, PyObject *list, path_fn fn, const void *ctx) {
-    Py_ssize_t n;
-    char **paths = parse_paths(list, &n);
-    if (!paths) return NULL;
+/* The chunk of each 32-byte store key in `skeys`, beneath the array directory `base` (relative
+ * to `root`), through `fn`. The array directory is resolved once; a missing one holds nothing. */
+static PyObject *each_key(int root, const char *base, Py_buffer *skeys, int hi_bits, int lo_bits, path_fn fn,
+                          const void *ctx) {
+    if (skeys->len % 32 || hi_bits < 0 || lo_bits < 1 || hi_bits + lo_bits > 64) {
+        PyErr_SetString(PyExc_ValueError, "store keys must be 32 bytes each, and 0 < lo_bits, hi_bits + lo_bits <= 64");
+        return NULL;
+    }
+    Py_ssize_t n = skeys->len / 32;
+    char (*paths)[NAME_MAX_LEN] = malloc((n ? n : 1) * sizeof *paths);
     signed char *ok = calloc(n ? n : 1, 1);
     PyObject *out = NULL;
-    if (!ok) {
+    if (!paths || !ok) {
         PyErr_NoMemory();
     } else {
-        paths_t p = {root, paths, ok, n, 0, fn, ctx};
-        int threads = (int)(n / PATHS_PER_THREAD);
-        if (threads > PATH_THREADS) threads = PATH_THREADS;
+        const unsigned char *keys = skeys->buf;
         Py_BEGIN_ALLOW_THREADS
-        run_on(run_paths, &p, threads);
+        int dfd = open_beneath(root, base, O_PATH | O_DIRECTORY, 0);
+        if (dfd < 0) {
+            memset(ok, REFUSED_OPENAT2 ? -1 : 0, n ? n : 1);
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) chunk_name(keys + 32 * i, hi_bits, lo_bits, paths[i]);
+            paths_t p = {dfd, paths, ok, n, 0, fn, ctx};
+            int threads = (int)(n / PATHS_PER_THREAD);
+            if (threads > PATH_THREADS) threads = PATH_THREADS;
+            run_on(run_paths, &p, threads);
+            close(dfd);
+        }
         Py_END_ALLOW_THREADS
         out = answers(ok, n);
     }
-    for (Py_ssize_t i = 0; i < n; i++) free(paths[i]);
     free(paths);
     free(ok);
     return out;
@@ -844,14 +844,18 @@ static signed char is_chunk(int dfd, const char *name, Py_ssize_t i, const void 
            st.st_size == *(const long long *)ctx;
 }
 
-/* stat_chunks(root_fd, rels, size) -> [1/0/-1] (see `answers`): each is a regular file (not a
- * link) of `size` bytes, resolved beneath the root without following a link. */
+/* stat_chunks(root_fd, base, skeys, hi_bits, lo_bits, size) -> [1/0/-1] (see `answers`): each
+ * store key's chunk beneath the array directory `base` is a regular file (not a link) of `size`
+ * bytes, resolved beneath the root without following a link. */
 static PyObject *stat_chunks(PyObject *self, PyObject *args) {
-    int root;
-    PyObject *list;
+    int root, hi_bits, lo_bits;
+    const char *base;
+    Py_buffer skeys;
     long long size;
-    if (!PyArg_ParseTuple(args, "iOL", &root, &list, &size)) return NULL;
-    return each_path(root, list, is_chunk, &size);
+    if (!PyArg_ParseTuple(args, "iyy*iiL", &root, &base, &skeys, &hi_bits, &lo_bits, &size)) return NULL;
+    PyObject *out = each_key(root, base, &skeys, hi_bits, lo_bits, is_chunk, &size);
+    PyBuffer_Release(&skeys);
+    return out;
 }
 
 typedef struct { long long atime, mtime, size; int check; } lease_t;
@@ -868,17 +872,23 @@ static signed char lease_one(int dfd, const char *name, Py_ssize_t i, const void
     return !l->check || (long long)st.st_atim.tv_sec * 1000000000LL + st.st_atim.tv_nsec >= l->atime;
 }
 
-/* lease_chunks(root_fd, rels, atime_ns, mtime_ns, check, size) -> [1/0/-1]: sets entry i's own
- * times to (atime_ns + i, mtime_ns + i) without following a link; 1 where that landed and, with
- * `check`, the entry still has an atime at or past `atime_ns` afterwards (an evictor renaming it
- * aside in between takes the name away: then it is not ours) and, with `size` > 0, it is a
- * regular file of `size` bytes (a lookup's presence check and lease in one pass). */
+/* lease_chunks(root_fd, base, skeys, hi_bits, lo_bits, atime_ns, mtime_ns, check, size) ->
+ * [1/0/-1]: sets the times of key i's chunk (as stat_chunks finds it) to (atime_ns + i,
+ * mtime_ns + i) without following a link; 1 where that landed and, with `check`, the entry still
+ * has an atime at or past `atime_ns` afterwards (an evictor renaming it aside in between takes
+ * the name away: then it is not ours) and, with `size` > 0, it is a regular file of `size` bytes
+ * (a lookup's presence check and lease in one pass). */
 static PyObject *lease_chunks(PyObject *self, PyObject *args) {
-    int root;
-    PyObject *list;
+    int root, hi_bits, lo_bits;
+    const char *base;
+    Py_buffer skeys;
     lease_t l;
-    if (!PyArg_ParseTuple(args, "iOLLpL", &root, &list, &l.atime, &l.mtime, &l.check, &l.size)) return NULL;
-    return each_path(root, list, lease_one, &l);
+    if (!PyArg_ParseTuple(args, "iyy*iiLLpL", &root, &base, &skeys, &hi_bits, &lo_bits, &l.atime, &l.mtime, &l.check,
+                          &l.size))
+        return NULL;
+    PyObject *out = each_key(root, base, &skeys, hi_bits, lo_bits, lease_one, &l);
+    PyBuffer_Release(&skeys);
+    return out;
 }
 
 /* copy_many: host-memory copies (dst, src, len) spread over threads in COPY_PIECE-sized pieces. */
@@ -966,8 +976,8 @@ static PyObject *staging_need(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"stat_chunks", stat_chunks, METH_VARARGS, "Whether each path beneath the root is a regular file of the size."},
-    {"lease_chunks", lease_chunks, METH_VARARGS, "Set times of each path beneath the root (see the module source)."},
+    {"stat_chunks", stat_chunks, METH_VARARGS, "Whether each store key's chunk is a regular file of the size."},
+    {"lease_chunks", lease_chunks, METH_VARARGS, "Set times of each store key's chunk (see the module source)."},
     {"copy_many", copy_many, METH_VARARGS, "Host-memory copies (dst, src, length) on this many threads."},
     {"staging_need", staging_need, METH_VARARGS, "Staging bytes a call of chunks of these sizes needs on this many threads."},
     {"read_chunks", read_chunks, METH_VARARGS, "Read and checksum a batch of chunk files (see the module source)."},

@@ -121,22 +121,25 @@ def copy_many(copies: Sequence[tuple[int, int, int]], threads: int) -> None:
     _batchio.copy_many(list(copies), threads)
 
 
-def stat_chunks(root_fd: int, rels: Sequence[str], size: int) -> Optional[list[bool]]:
-    """Whether each path (relative to the store root) is a regular file of ``size`` bytes,
-    resolved beneath the root without following a link, in one call without the GIL; None where
-    the kernel refuses ``openat2`` (the caller's Python path answers). Called by
-    ``Namespace.contains_many``."""
-    got = _batchio.stat_chunks(root_fd, [r.encode() for r in rels], size)
+def stat_chunks(root_fd: int, base: str, store_keys: bytes, size: int) -> Optional[list[bool]]:
+    """Whether the chunk of each 32-byte store key in ``store_keys`` (concatenated), beneath the
+    array directory ``base`` (relative to the store root), is a regular file of ``size`` bytes,
+    resolved beneath the root without following a link, in one call without the GIL (the
+    chunks named natively as ``gdskv.format.chunk_relpath`` names them); None where the kernel
+    refuses ``openat2`` (the caller's Python path answers). Called by ``Namespace.contains_many``."""
+    got = _batchio.stat_chunks(root_fd, base.encode(), store_keys, fmt.HI_BITS, fmt.LO_BITS, size)
     return None if -1 in got else [g == 1 for g in got]
 
 
-def lease_chunks(root_fd: int, rels: Sequence[str], atime_ns: int, mtime_ns: int, check: bool,
+def lease_chunks(root_fd: int, base: str, store_keys: bytes, atime_ns: int, mtime_ns: int, check: bool,
                  size: int = 0) -> Optional[list[bool]]:
-    """Set path ``i``'s own times to ``(atime_ns + i, mtime_ns + i)`` (never a link's target);
-    per path whether that landed and, with ``check``, whether its atime is still at or past
-    ``atime_ns`` afterwards, and with ``size``, whether it is a regular file of ``size`` bytes;
-    None where the kernel refuses ``openat2``. Called by ``Namespace.lease_many``."""
-    got = _batchio.lease_chunks(root_fd, [r.encode() for r in rels], atime_ns, mtime_ns, check, size)
+    """Set the times of key ``i``'s chunk (found as ``stat_chunks`` finds it) to
+    ``(atime_ns + i, mtime_ns + i)`` (never a link's target); per key whether that landed and,
+    with ``check``, whether its atime is still at or past ``atime_ns`` afterwards, and with
+    ``size``, whether it is a regular file of ``size`` bytes; None where the kernel refuses
+    ``openat2``. Called by ``Namespace.lease_many``."""
+    got = _batchio.lease_chunks(root_fd, base.encode(), store_keys, fmt.HI_BITS, fmt.LO_BITS, atime_ns, mtime_ns,
+                                check, size)
     return None if -1 in got else [g == 1 for g in got]
 
 
