@@ -13,6 +13,9 @@ layer group into the block key, so the same tokens in two layer groups (or two m
 collide (``store_key``).
 
 Called by the planner (chained keys for a request's tokens) and by the store (store keys).
+Where the compiled ``gdskv._keys`` built, long runs of keys are packed and hashed there (the
+512 block keys of a 32k-token prompt: 0.5 against 1.7 ms, its 512 store keys 0.1 against 0.35
+ms, measured on a busy 2-vCPU VM); the formulas are the arguments given to it here.
 """
 from __future__ import annotations
 
@@ -20,6 +23,11 @@ import functools
 import hashlib
 import struct
 from typing import Optional, Sequence
+
+try:
+    from gdskv import _keys as _native
+except ImportError:  # built without a C compiler: struct and hashlib do the same work
+    _native = None
 
 BLOCK_KEY_DOMAIN = b"gdskv/block/v1\0"
 STORE_KEY_DOMAIN = b"gdskv/store/v1\0"
@@ -72,18 +80,37 @@ def chain_keys(
     if end <= start:
         return []
     # block_key's bytes for every block at once: one conversion of the token ids, not one per block
-    span = tokens[start * tokens_per_block:end * tokens_per_block]
-    layout = f"<{len(span)}q"  # struct converts a list of ints 3x faster than array("q", ...)
-    try:
-        raw = memoryview(struct.pack(layout, *span))
-    except struct.error:  # ids that are not integers themselves (block_key takes int() of each)
-        raw = memoryview(struct.pack(layout, *map(int, span)))
+    raw = memoryview(_packed(tokens[start * tokens_per_block:end * tokens_per_block]))
     count, salt, step = struct.pack("<I", tokens_per_block), _encode_salt(cache_salt), 8 * tokens_per_block
+    if _native is not None and (parent is None or len(parent) == 32):
+        run = _native.chain(BLOCK_KEY_DOMAIN, parent if parent is not None else ROOT_PARENT, count, raw, step, salt)
+        return [run[at:at + 32] for at in range(0, len(run), 32)]
     keys = []
     for at in range(0, len(raw), step):
         parent = _digest(parent, count, raw[at:at + step], salt)
         keys.append(parent)
     return keys
+
+
+def _packed(span: Sequence[int]) -> bytes:
+    """Token ids as ``block_key`` encodes them (``<q`` each)."""
+    if _native is not None and type(span) is list:
+        raw = _native.pack_tokens(span)
+        if raw is not None:
+            return raw
+    layout = f"<{len(span)}q"  # struct converts a list of ints 3x faster than array("q", ...)
+    try:
+        return struct.pack(layout, *span)
+    except struct.error:  # ids that are not integers themselves (block_key takes int() of each)
+        return struct.pack(layout, *map(int, span))
+
+
+def plain_ints(tokens: list) -> bool:
+    """Whether every item of ``tokens`` is a plain ``int`` (not a bool, not a numpy integer).
+    Called by the planner before it keeps a request's tokens as they are."""
+    if _native is not None:
+        return _native.plain_ints(tokens)
+    return all(type(t) is int for t in tokens)
 
 
 def canonical_key(h: bytes) -> bytes:
@@ -101,9 +128,20 @@ def store_key(namespace_id: str, layer_group: int, key: bytes) -> bytes:
     return store_keys(namespace_id, layer_group, [key])[0]
 
 
+def store_key_run(namespace_id: str, layer_group: int, keys: Sequence[bytes]) -> bytes:
+    """``store_key`` of each key, concatenated: what a lookup hands the native stat path for the
+    512 chunks of a 32k-token prompt. Hashed natively when every key is ``bytes`` of one
+    canonical length."""
+    if _native is not None and keys:
+        n = len(keys[0])
+        if n in CANONICAL_LENGTHS and all(type(k) is bytes and len(k) == n for k in keys):
+            return _native.each(_store_key_head(namespace_id, layer_group, n), b"".join(keys), n)
+    return b"".join(store_keys(namespace_id, layer_group, keys))
+
+
 def store_keys(namespace_id: str, layer_group: int, keys: Sequence[bytes]) -> list[bytes]:
-    """``store_key`` of each key, in order (the formula lives here): a lookup names the 512 chunks
-    of a 32k-token prompt at once (0.6 ms for 512 here, against 1.1 one at a time)."""
+    """``store_key`` of each key, in order, through hashlib (one hash state per key length,
+    copied per key)."""
     out = []
     prefixes: dict[int, "hashlib._Hash"] = {}
     for key in keys:
@@ -122,7 +160,9 @@ def store_keys(namespace_id: str, layer_group: int, keys: Sequence[bytes]) -> li
 def _store_key_prefix(namespace_id: str, layer_group: int, key_length: int) -> "hashlib._Hash":
     """The hash state of ``store_key`` before the key (a copy of it costs a third of hashing
     the prefix again: a lookup names 512 chunks of a 32k-token prompt)."""
-    h = hashlib.sha256(STORE_KEY_DOMAIN)
-    h.update(namespace_id.encode())
-    h.update(struct.pack("<IB", layer_group, key_length))
-    return h
+    return hashlib.sha256(_store_key_head(namespace_id, layer_group, key_length))
+
+
+def _store_key_head(namespace_id: str, layer_group: int, key_length: int) -> bytes:
+    """What ``store_key`` hashes before the key (the formula)."""
+    return STORE_KEY_DOMAIN + namespace_id.encode() + struct.pack("<IB", layer_group, key_length)

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from gdskv.keys import chain_keys
+from gdskv.keys import chain_keys, plain_ints
 from gdskv.layout import valid_page_slots
 
 Salt = Optional[str | bytes | int]
@@ -324,9 +324,9 @@ class RequestState:
 
 
 def _int_list(tokens: Sequence[int]) -> list[int]:
-    """``tokens`` as a new list of plain ints (checking a list's element types costs half of
-    converting each: 32k tokens, 0.4 against 1 ms)."""
-    if type(tokens) is list and set(map(type, tokens)) == {int}:
+    """``tokens`` as a new list of plain ints (checking a list's element types costs a fraction
+    of converting each: ``gdskv.keys.plain_ints``)."""
+    if type(tokens) is list and plain_ints(tokens):
         return list(tokens)
     return list(map(int, tokens))
 

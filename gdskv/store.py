@@ -42,7 +42,7 @@ from zarr.storage import MemoryStore
 from gdskv import format as fmt
 from gdskv.confined import ConfinedDir
 from gdskv.io import batch as batchio
-from gdskv.keys import store_key, store_keys
+from gdskv.keys import store_key, store_key_run
 
 log = logging.getLogger(__name__)
 
@@ -262,18 +262,10 @@ class Namespace:
         return f"ns/{self.id}/g{group}"
 
     def store_key_run(self, group: int, keys: Sequence[bytes]) -> bytes:
-        """The store keys of ``keys``, concatenated: how a lookup names the 512 chunks of a
-        32k-token prompt to the native path (``gdskv.io.batch``), which makes their paths itself.
-        Remembered names are used; a new prompt's keys are hashed in one loop
-        (``gdskv.keys.store_keys``) and not remembered (what a lookup needs is the hash alone)."""
-        cache = self._store_keys
-        named = [cache.get((group, key)) if type(key) is bytes else None for key in keys]
-        unnamed = [i for i, entry in enumerate(named) if entry is None]
-        skeys = [entry[0] if entry is not None else b"" for entry in named]
-        if unnamed:
-            for i, skey in zip(unnamed, store_keys(self.id, group, [keys[i] for i in unnamed])):
-                skeys[i] = skey
-        return b"".join(skeys)
+        """The store keys of ``keys``, concatenated (``gdskv.keys.store_key_run``): how a lookup
+        names the 512 chunks of a 32k-token prompt to the native path (``gdskv.io.batch``), which
+        makes their paths itself."""
+        return store_key_run(self.id, group, keys)
 
     def contains_many(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Presence of each key's chunk: a regular file (never a link) of the size a complete

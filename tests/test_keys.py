@@ -10,9 +10,22 @@ import sys
 
 import pytest
 
-from gdskv.keys import block_key, canonical_key, chain_keys, store_key, store_keys
+from gdskv import keys as keys_module
+from gdskv.keys import block_key, canonical_key, chain_keys, store_key, store_key_run, store_keys
 
 TOKENS = list(range(100, 164))
+
+
+@pytest.fixture(params=["native", "python"])
+def key_path(request, monkeypatch):
+    """Keys through the compiled ``gdskv._keys`` and through struct and hashlib: both must give
+    the same bytes (chunk files are named by them)."""
+    if request.param == "native":
+        if keys_module._native is None:
+            pytest.skip("gdskv._keys is not built in this environment")
+    else:
+        monkeypatch.setattr(keys_module, "_native", None)
+    return request.param
 
 
 def test_chain_covers_full_blocks_only():
@@ -54,13 +67,18 @@ def test_store_keys_are_the_documented_digest_whatever_was_named_before():
     assert store_key("ns1", 0, k).hex() == store_key("ns1", 0, bytearray(k)).hex()
 
 
-def test_store_keys_of_many_are_each_store_key():
+def test_store_keys_of_many_are_each_store_key(key_path):
     keys = chain_keys(TOKENS, 16) + [b"\x07" * 8, bytearray(b"\x09" * 32), memoryview(b"\x03" * 8)]
     for ns, group in [("ns1", 0), ("ns2", 5)]:
         assert store_keys(ns, group, keys) == [store_key(ns, group, k) for k in keys]
-    assert store_keys("ns1", 0, []) == []
-    with pytest.raises(ValueError, match="8 or 32"):
-        store_keys("ns1", 0, [keys[0], b"x" * 16])
+        for run in (keys[:4], [b"\x07" * 8] * 3, keys):  # one length (hashed natively), mixed
+            assert store_key_run(ns, group, run) == b"".join(store_key(ns, group, k) for k in run)
+    assert store_keys("ns1", 0, []) == [] and store_key_run("ns1", 0, []) == b""
+    for bad in ([keys[0], b"x" * 16], [b"x" * 16, b"y" * 16]):
+        with pytest.raises(ValueError, match="8 or 32"):
+            store_keys("ns1", 0, bad)
+        with pytest.raises(ValueError, match="8 or 32"):
+            store_key_run("ns1", 0, bad)
 
 
 def test_canonical_hashes_are_used_as_given():
@@ -82,7 +100,7 @@ def test_keys_are_stable_across_processes_and_hash_seeds():
     assert outs == {chain_keys(TOKENS, 16, "salt")[-1].hex()}
 
 
-def test_chain_keys_are_the_chained_block_keys_for_any_token_ids_block_size_salt_and_start():
+def test_chain_keys_are_the_chained_block_keys_for_any_token_ids_block_size_salt_and_start(key_path):
     """``chain_keys`` converts a prompt's token ids once, not per block: its keys must stay exactly
     ``block_key`` chained (large and negative ids, numpy and torch integers, every salt kind)."""
     import numpy as np
@@ -102,12 +120,67 @@ def test_chain_keys_are_the_chained_block_keys_for_any_token_ids_block_size_salt
         assert chain_keys(np.array(tokens, dtype=np.int64), tpb) == chain_keys(tokens, tpb)
         assert chain_keys(torch.tensor(tokens), tpb) == chain_keys(tokens, tpb)
         assert chain_keys([float(t) for t in range(tpb * 2)], tpb) == chain_keys(list(range(tpb * 2)), tpb)
+        assert chain_keys([True] * tpb, tpb) == chain_keys([1] * tpb, tpb)
+    with pytest.raises(struct.error):  # an id that does not fit the encoding is refused, natively or not
+        chain_keys([2 ** 63] * 16, 16)
 
 
-def test_keys_are_the_ones_existing_stores_hold():
+def test_keys_are_the_ones_existing_stores_hold(key_path):
     """Known answers (computed by the per-block code stores were written with): a change to how
     keys are computed must not change a single one, or every stored chunk becomes a miss."""
     tokens = list(range(100, 164))
     assert chain_keys(tokens, 16)[0].hex() == "0afb1fedc57ea1de3c9e97bc2624285c87d4b63d5747e396daa22369f5363438"
     assert chain_keys(tokens, 16, "salt")[-1].hex() == "ed06dfbf8533ce13ea57cf9a0c809dd7cf03288c89684534ea6c75d8c306ef25"
     assert block_key(None, tokens[:16]).hex() == chain_keys(tokens, 16)[0].hex()
+
+
+@pytest.fixture(params=["shani", "portable"])
+def sha_kernel(request):
+    native = pytest.importorskip("gdskv._keys", reason="gdskv._keys is not built in this environment")
+    if native.each(b"", b"x", 1, request.param) is None:
+        pytest.skip(f"this CPU cannot run the {request.param} SHA-256 kernel")
+    return native, request.param
+
+
+def test_every_message_length_around_the_block_and_padding_boundaries_matches_hashlib(sha_kernel):
+    native, kernel = sha_kernel
+    rng = random.Random(3)
+    for step in list(range(1, 140)) + [255, 256, 257, 512, 513, 1000]:
+        for head in (b"", b"gdskv/store/v1\0", bytes(63)):
+            data = rng.randbytes(step * 3)
+            want = b"".join(hashlib.sha256(head + data[i * step:(i + 1) * step]).digest() for i in range(3))
+            assert native.each(head, data, step, kernel) == want, (step, len(head))
+    assert native.each(b"h", b"abcd", 3, kernel) == hashlib.sha256(b"habc").digest()  # a partial record is left out
+
+
+def test_a_chain_feeds_each_digest_into_the_next(sha_kernel):
+    native, kernel = sha_kernel
+    rng = random.Random(4)
+    head, mid, tail = b"gdskv/block/v1\0", struct.pack("<I", 64), b"\1\3\0\0\0abc"
+    for step in (8, 64, 512, 1024):
+        data, parent = rng.randbytes(step * 7), rng.randbytes(32)
+        want, prev = [], parent
+        for i in range(7):
+            prev = hashlib.sha256(head + prev + mid + data[i * step:(i + 1) * step] + tail).digest()
+            want.append(prev)
+        assert native.chain(head, parent, mid, data, step, tail, kernel) == b"".join(want)
+    with pytest.raises(ValueError, match="32 bytes"):
+        native.chain(head, b"short", mid, data, 8, tail, kernel)
+    with pytest.raises(ValueError, match="at least 1"):
+        native.each(head, data, 0, kernel)
+    assert native.each(b"", b"abc", 1, "no-such-kernel") is None
+
+
+def test_token_packing_takes_plain_ints_that_fit_and_nothing_else():
+    native = pytest.importorskip("gdskv._keys", reason="gdskv._keys is not built in this environment")
+    import numpy as np
+
+    ids = [0, 1, -1, 151_935, 2 ** 63 - 1, -2 ** 63]
+    assert native.pack_tokens(ids) == struct.pack("<6q", *ids)
+    assert native.pack_tokens([]) == b""
+    for bad in ([True], [1, 2 ** 63], [-2 ** 63 - 1], [1.0], [np.int64(3)], ["1"]):
+        assert native.pack_tokens(bad) is None, bad
+    assert native.plain_ints(ids) and native.plain_ints([])
+    assert not native.plain_ints([1, True]) and not native.plain_ints([np.int64(1)])
+    with pytest.raises(TypeError):
+        native.pack_tokens((1, 2))

@@ -88,10 +88,7 @@ def test_store_key_run_is_every_store_key_in_order(xfer):
     ns = xfer.ns
     keys = KEYS + [b"\x05" * 8, bytearray(KEYS[0])]
     one_by_one = b"".join(ns.store_key(0, bytes(k)) for k in keys)
-    ns._store_keys.clear()  # a new prompt's keys: hashed in one batch
     assert ns.store_key_run(0, keys) == one_by_one
-    [ns.store_key(0, bytes(k)) for k in keys]
-    assert ns.store_key_run(0, keys) == one_by_one  # from the remembered names
     assert ns.store_key_run(1, keys[:1]) != one_by_one[:32]  # another group, another chunk
     with pytest.raises(ValueError, match="8 or 32"):
         ns.store_key_run(0, [b"x" * 16])
@@ -116,7 +113,6 @@ def test_lookups_find_exactly_the_chunks_saves_named(xfer, monkeypatch, native):
     his = {fmt.chunk_index(ns.store_key(0, keys[i]))[0] for i in saved}
     assert len(his) > 30  # spread over many directories, as real keys are
     want = [i in saved for i in range(len(keys))]
-    ns._store_keys.clear()
     assert ns.contains_many(0, keys) == want
     assert ns.lease_many(0, keys, lease_seconds=60, present=True) == want
     shutil.rmtree(ns.array_path(0))  # no array directory: nothing there, no error
