@@ -72,7 +72,7 @@ def stack(store: str, threshold: Optional[int], slots: int, decoders: int) -> tu
     args = StandaloneLlmArgs.build(MODEL.fingerprint(), TPB)
     scheduler, worker = GdsKvScheduler(args, config=cfg), GdsKvWorker(args, config=cfg)
     ecfg = EngineConfig(tokens_per_block=TPB, num_slots=slots, chunk_size=1 << 20, max_batch=decoders + 1,
-                        async_timeout_s=300.0, freeze_heap=True)
+                        async_timeout_s=300.0, freeze_heap=True, steady_heap=True)
     return ReferenceEngine(MODEL, ecfg, scheduler, [worker]), worker
 
 

@@ -216,7 +216,7 @@ def ttft_section(o: Options, store_path: str) -> list[dict]:
     model = model_config(o)
     longest = max(o.lengths)
     engine_cfg = EngineConfig(tokens_per_block=TOKENS_PER_BLOCK, num_slots=longest // TOKENS_PER_BLOCK + 4,
-                              chunk_size=longest, max_batch=1, freeze_heap=True)
+                              chunk_size=longest, max_batch=1, freeze_heap=True, steady_heap=True)
     base = dict(store_path=store_path, stats_flush_seconds=60.0)
     stacks = {
         "computed": Stack(model, engine_cfg, None),
@@ -257,7 +257,7 @@ def decode_section(o: Options, store_path: str) -> list[dict]:
     model = model_config(o)
     engine_cfg = EngineConfig(tokens_per_block=TOKENS_PER_BLOCK, chunk_size=o.decode_prompt, max_batch=o.decode_batch,
                               num_slots=o.decode_batch * ((o.decode_prompt + o.decode) // TOKENS_PER_BLOCK + 2) + 4,
-                              freeze_heap=True)
+                              freeze_heap=True, steady_heap=True)
     cfg = GdsKvConfig(store_path=store_path, stats_flush_seconds=60.0, host_bytes=o.decode_host_bytes)
     stack = Stack(model, engine_cfg, cfg)
     prompts = [random_prompt(o.decode_prompt, model.vocab_size, 7000 + i) for i in range(o.decode_batch)]

@@ -492,3 +492,53 @@ def test_layout_rows_are_page_slots() -> None:
     pool[3].fill_(1.5)
     assert torch.equal(region.slot_tensor(3, torch.float32), torch.full((pool[0].numel(),), 1.5))
     assert e.kv.page_bytes(0, 0, 3) == pool[3].numpy().tobytes()
+
+
+STEADY_HEAP_PROBE = """
+import ctypes, os, platform, sys
+import torch
+from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine
+from gdskv.engine.heap import keep_freed_memory
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+steady = sys.argv[1] == "steady"
+model = ModelConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                    intermediate_size=64, seed=7)
+prompts = [torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(s)).tolist() for s in (1, 2)]
+# the first large block of a fresh process: glibc maps it and unmaps it at free, unless the heap is kept
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = (ctypes.c_void_p,)
+if steady:
+    assert keep_freed_memory()
+n = 16 << 20
+p = libc.malloc(n)
+ctypes.memset(p, 1, n)
+held = rss()
+libc.free(p)
+print(held - rss())
+engine = ReferenceEngine(model, EngineConfig(tokens_per_block=4, num_slots=64, steady_heap=steady))
+print([r.tokens for r in engine.generate(prompts, [6, 6])])
+"""
+
+
+def test_a_steady_heap_keeps_freed_memory_and_changes_no_token(tmp_path) -> None:
+    import platform
+    import subprocess
+    import sys
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("the steady heap is glibc's mallopt")
+    script = tmp_path / "probe.py"
+    script.write_text(STEADY_HEAP_PROBE)
+    out = {}
+    for kind in ("default", "steady"):
+        done = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        returned, generated = done.stdout.splitlines()
+        out[kind] = (int(returned), generated)
+    assert out["default"][0] >= 12 << 20  # given back to the kernel at free
+    assert out["steady"][0] < 4 << 20  # kept for the next step
+    assert out["steady"][1] == out["default"][1]

@@ -94,6 +94,11 @@ class EngineConfig:
       collection then walks only what the run allocated, instead of pausing a step for the
       whole start-up heap (100-160 ms here with torch and a store loaded). Off by default: it is
       process-wide and tests call ``generate`` hundreds of times; the benchmarks turn it on.
+    - ``steady_heap``: keep the memory a step freed in the C heap for the next step
+      (``gdskv.engine.heap``: glibc's trim and mmap thresholds raised, process-wide, for good), as
+      a CPU serving process does with its allocator: otherwise every step's heap trims flush the
+      TLB of the CPU the connector's threads run on and wait for it (decode steps 1.5-2x slower
+      while a long prefix loaded, here). Off by default; the benchmarks turn it on.
     """
 
     tokens_per_block: int = 4
@@ -107,6 +112,7 @@ class EngineConfig:
     async_timeout_s: float = 30.0
     intra_op_threads: Optional[int] = 1
     freeze_heap: bool = False
+    steady_heap: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens_per_block < 1 or self.chunk_size < 1 or self.tp_size < 1 or self.max_batch < 1:

@@ -50,6 +50,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from gdskv.engine.config import EngineConfig, ModelConfig
+from gdskv.engine.heap import keep_freed_memory
 from gdskv.engine.model import ReferenceModel
 from gdskv.engine.pool import PagedKvCache
 from gdskv.engine.requests import EngineRequest, GenerationResult, RequestState, SchedulerOutput
@@ -360,6 +361,8 @@ class ReferenceEngine:
         threads = torch.get_num_threads()
         if self.engine_cfg.intra_op_threads is not None:
             torch.set_num_threads(self.engine_cfg.intra_op_threads)
+        if self.engine_cfg.steady_heap:
+            keep_freed_memory()
         if self.engine_cfg.freeze_heap:
             gc.collect()
             gc.freeze()
