@@ -25,11 +25,16 @@ steps between the restored request's arrival and its joining the batch: in ``asy
 was held out while loading, in ``sync`` the admitting step that carried the load, in ``none`` as
 many steps at the same point), the same over every decode step of the run, the step in which
 the restored request first computes ("join", which attends over its whole prefix and so is slow
-in any mode), the load's bytes and the restored request's TTFT; then a ratio line per prefix:
-async p99 / none p99 over the load window (target <= 1.2 at 32k tokens) and sync's.
+in any mode), the load's bytes, the restored request's TTFT and the share of the machine's CPU
+time its hypervisor took meanwhile (steal: on a shared VM, what no process inside can change);
+then a ratio line per prefix: async p99 / none p99 over the load window (target <= 1.2 at 32k
+tokens) and sync's.
 
-The stored prefix is random KV published under the prompt's real block keys (a benchmark of
-the load path, not of the model). Cold reads: every chunk file's page cache is dropped with
+The engine runs as a serving process would: its heap frozen for the collector and kept steady
+for the C allocator (``EngineConfig.freeze_heap``, ``steady_heap``: without the latter, every
+step's heap trims flushed the TLB of the CPU the transfers ran on, and the decoders' steps were
+1.5-2x slower while a prefix loaded). The stored prefix is random KV published under the prompt's
+real block keys (a benchmark of the load path, not of the model). Cold reads: every chunk file's page cache is dropped with
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` before each run (no root needed), and the store reads
 with O_DIRECT (``o_direct = "all"``, gdskv's default) anyway.
 """
@@ -112,6 +117,16 @@ def drop_cache(store: str) -> int:
     return n
 
 
+def stolen_ticks() -> Optional[int]:
+    """Clock ticks the hypervisor took from this machine's CPUs so far (``/proc/stat``'s steal),
+    or None where there is no such count."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -130,8 +145,12 @@ def run(store: str, mode: str, long_prompt: list[int], decoders: int, steps: int
         prompts.append(long_prompt)
         arrivals.append(arrive)
         news.append(2)
+    stolen, t0 = stolen_ticks(), time.monotonic()
     results = engine.generate(prompts, news, arrival_steps=arrivals)
+    seconds, stolen_after = time.monotonic() - t0, stolen_ticks()
     worker.close()
+    steal = (float("nan") if stolen is None or stolen_after is None else
+             100.0 * (stolen_after - stolen) / os.sysconf("SC_CLK_TCK") / (seconds * (os.cpu_count() or 1)))
     log = engine.step_log
     decoding = [i for i, s in enumerate(log) if len(s.decoding) >= decoders and not s.prefilling]
     restored = results[-1] if mode != "none" else None
@@ -145,7 +164,7 @@ def run(store: str, mode: str, long_prompt: list[int], decoders: int, steps: int
     return {"log": [s.seconds for s in log], "decode_steps": decoding, "window": window, "join_s": join_s,
             "ttft_s": restored.ttft_s if restored is not None else float("nan"),
             "loaded": restored.prefill_tokens_loaded if restored is not None else 0,
-            "bytes_loaded": worker.counters.loads_loaded}
+            "bytes_loaded": worker.counters.loads_loaded, "steal_pct": steal}
 
 
 def summary(r: dict[str, Any]) -> dict[str, float]:
@@ -155,7 +174,7 @@ def summary(r: dict[str, Any]) -> dict[str, float]:
     every = [r["log"][i] for i in r["decode_steps"]]
     return {"window_steps": len(win), "win_p50_ms": pct(win, .5) * 1e3, "win_p99_ms": pct(win, .99) * 1e3,
             "all_p50_ms": pct(every, .5) * 1e3, "all_p99_ms": pct(every, .99) * 1e3,
-            "join_ms": r["join_s"] * 1e3, "ttft_ms": r["ttft_s"] * 1e3, "loaded": r["loaded"]}
+            "join_ms": r["join_s"] * 1e3, "ttft_ms": r["ttft_s"] * 1e3, "loaded": r["loaded"], "steal_pct": r["steal_pct"]}
 
 
 def pin_engine_thread() -> Optional[str]:
@@ -246,18 +265,21 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"({2 * MODEL.num_layers * MODEL.num_kv_heads * MODEL.head_dim * 4 // 1024} KiB/token), {TPB} tokens/block; "
           f"{a.decoders} decoders; restored request arrives at step {a.arrive}; page cache dropped (fadvise) + O_DIRECT reads"
           + ("; the engine's thread pinned to one CPU, the others' threads to the rest" if a.pin_engine else ""))
-    head = f"{'prefix':>7} {'mode':>5} {'MiB':>6} {'win steps':>9} {'win p50':>8} {'win p99':>8} {'all p50':>8} {'all p99':>8} {'join':>8} {'TTFT':>8} {'loaded':>7}"
+    head = (f"{'prefix':>7} {'mode':>5} {'MiB':>6} {'win steps':>9} {'win p50':>8} {'win p99':>8} {'all p50':>8} {'all p99':>8} "
+            f"{'join':>8} {'TTFT':>8} {'loaded':>7} {'steal':>6}")
     print(head)
     for r in rows:
         print(f"{r['prefix']:>7} {r['mode']:>5} {r['bytes'] / 2**20:>6.0f} {r['window_steps']:>9.0f} {r['win_p50_ms']:>7.2f}m "
-              f"{r['win_p99_ms']:>7.2f}m {r['all_p50_ms']:>7.2f}m {r['all_p99_ms']:>7.2f}m {r['join_ms']:>7.1f}m {r['ttft_ms']:>7.1f}m {r['loaded']:>7.0f}")
+              f"{r['win_p99_ms']:>7.2f}m {r['all_p50_ms']:>7.2f}m {r['all_p99_ms']:>7.2f}m {r['join_ms']:>7.1f}m {r['ttft_ms']:>7.1f}m {r['loaded']:>7.0f} "
+              f"{r['steal_pct']:>5.1f}%")
     for prefix in prefixes:
         by = {r["mode"]: r for r in rows if r["prefix"] == prefix}
         base = by["none"]["win_p99_ms"]
         print(f"ratio prefix={prefix}: async p99 / no-load p99 = {by['async']['win_p99_ms'] / base:.2f} (target <= 1.2; "
               f"per round, each against its own no-load run: {', '.join(f'{x:.2f}' for x in ratios[prefix])}); "
               f"sync p99 / no-load p99 = {by['sync']['win_p99_ms'] / base:.2f}")
-    print(f"figures are medians over {a.rounds} rounds; the modes of a round run one after another, in an order that rotates")
+    print(f"figures are medians over {a.rounds} rounds; the modes of a round run one after another, in an order that rotates; "
+          "steal: the share of the machine's CPU time its hypervisor took during the runs (a shared VM's noise)")
     return 0
 
 
