@@ -214,8 +214,9 @@ class Namespace:
         """Chunk paths that failed verification but could not be quarantined (read-only store,
         full disk), with the (inode, mtime) they had: lookups skip them until they change."""
         self._store_keys: dict[tuple[int, bytes], tuple[bytes, str, str, str]] = {}
-        """Names of recently named blocks' chunks (``_named``): a lookup, its lease, the load and
-        its check name the same 512 blocks of a 32k-token prefix four times; one hash is enough."""
+        """Names of recently named blocks' chunks (``_named``): a load and its check name the same
+        512 blocks of a 32k-token prefix twice; one hash is enough. (A lookup hands the store
+        keys to the native path, which names the chunks itself: ``store_key_run``.)"""
 
     def array_path(self, group: int) -> Path:
         return self.path / f"g{group}"
