@@ -7,7 +7,7 @@ unmaps dozens of times a step; each time the kernel flushes the TLB of every CPU
 process, and while the connector's transfer threads run on the other CPU those flushes are
 interrupts there that the step waits for. Measured on the 2-vCPU development VM (32k-token
 asynchronous restore, ``scripts/bench_decode_under_load.py``): the decoders' steps 1.5-2x slower
-at the median while the prefix loaded, and 1.0-1.1x once the heap was kept. Serving processes
+at the median while the prefix loaded, and 1.04-1.17x once the heap was kept. Serving processes
 on CPUs do the same with another allocator (vLLM's CPU backend asks for tcmalloc).
 
 Called by ``ReferenceEngine.generate`` when ``EngineConfig.steady_heap`` is set.
