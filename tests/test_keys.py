@@ -184,3 +184,11 @@ def test_token_packing_takes_plain_ints_that_fit_and_nothing_else():
     assert not native.plain_ints([1, True]) and not native.plain_ints([np.int64(1)])
     with pytest.raises(TypeError):
         native.pack_tokens((1, 2))
+
+
+def test_plain_ints_tells_plain_ints_from_their_look_alikes(key_path):
+    import numpy as np
+
+    assert keys_module.plain_ints([0, 1, -5, 2 ** 70]) and keys_module.plain_ints([])
+    for bad in ([1, True], [np.int64(1)], [1.0], [1, "2"]):
+        assert not keys_module.plain_ints(bad), bad
