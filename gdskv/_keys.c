@@ -245,8 +245,7 @@ static PyObject *pack_tokens(PyObject *self, PyObject *list) {
         PyObject *item = PyList_GET_ITEM(list, i);
         int overflow = 0;
         long long v = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
-        if (!PyLong_CheckExact(item) || overflow || (v == -1 && PyErr_Occurred())) {
-            PyErr_Clear();
+        if (!PyLong_CheckExact(item) || overflow) {  /* exact ints never fail otherwise */
             Py_DECREF(out);
             Py_RETURN_NONE;
         }
