@@ -33,10 +33,11 @@ tokens) and sync's.
 The engine runs as a serving process would: its heap frozen for the collector and kept steady
 for the C allocator (``EngineConfig.freeze_heap``, ``steady_heap``: without the latter, every
 step's heap trims flushed the TLB of the CPU the transfers ran on, and the decoders' steps were
-1.5-2x slower while a prefix loaded). The stored prefix is random KV published under the prompt's
-real block keys (a benchmark of the load path, not of the model). Cold reads: every chunk file's page cache is dropped with
-``posix_fadvise(POSIX_FADV_DONTNEED)`` before each run (no root needed), and the store reads
-with O_DIRECT (``o_direct = "all"``, gdskv's default) anyway.
+1.5-2x slower while a prefix loaded). The stored prefix is random KV published under the
+prompt's real block keys (a benchmark of the load path, not of the model). Cold reads: every
+chunk file's page cache is dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` before each run
+(no root needed), and the store reads with O_DIRECT (``o_direct = "all"``, gdskv's default)
+anyway.
 """
 from __future__ import annotations
 
