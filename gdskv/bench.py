@@ -47,9 +47,11 @@ import gc
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -658,8 +660,35 @@ def _subjects(options: BenchOptions, base: Path, report: dict[str, Any], log: Ca
     return subjects
 
 
+TERMINATED_STATUS = 128 + signal.SIGTERM
+"""The exit status of a bench stopped by SIGTERM (the shell's convention)."""
+
+
+def _stop_on_sigterm() -> Optional[Any]:
+    """From the main thread: SIGTERM (a job manager, ``timeout``, ``kill``) ends the run as an
+    interrupt does, through ``run``'s cleanup (its temporary directory, peer drivers), with exit
+    status ``TERMINATED_STATUS``; the previous handler, to restore (None elsewhere: left alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, frame: Any) -> NoReturn:
+        raise SystemExit(TERMINATED_STATUS)
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
 def run(options: BenchOptions, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """Measure every subject at every page size; the report as a JSON-ready dict."""
+    """Measure every subject at every page size; the report as a JSON-ready dict. Stopped by
+    SIGTERM, it removes what it made and raises ``SystemExit(TERMINATED_STATUS)``."""
+    previous = _stop_on_sigterm()
+    try:
+        return _run(options, log)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(options: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="gdskv-bench-", dir=options.directory))
     report: dict[str, Any] = {"options": {k: (list(v) if isinstance(v, tuple) else v)
                                           for k, v in vars(options).items()},

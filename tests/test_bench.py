@@ -188,3 +188,85 @@ def test_the_service_subject_reads_cold_and_warm_from_disk_and_hot_from_the_host
     [row] = report["results"]
     assert row["subject"] == "service:host-tier@torch" and row["hot_vs_cold"] > 0
     assert "hot/cold" in format_report(report)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _busy_peer_bench(tmp_path: Path):
+    """A real bench process (``gdskv.bench.run``) measuring only a toy peer whose driver is
+    stuck in its save (the bench waiting on it), started once the driver wrote its pid; the
+    process, the driver's pid and the bench's directory."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import gdskv.peers
+
+    cache, work = tmp_path / "cache", tmp_path / "work"
+    (cache / "gdskv-test" / "venv-toy" / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, cache / "gdskv-test" / "venv-toy" / "bin" / "python")
+    work.mkdir()
+    pidfile = tmp_path / "driver.pid"
+    driver = tmp_path / "busy_driver.py"
+    driver.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(Path(gdskv.peers.__file__).parent)!r})\n"
+        "from driver_loop import serve\n"
+        "class Busy:\n"
+        "    def prepare(self, dir, **kw): return {}\n"
+        f"    def save(self): open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(600); return {{}}\n"
+        "serve(Busy, 'busy')\n")
+    runner = tmp_path / "runner.py"
+    runner.write_text(
+        "import gdskv.peers\n"
+        "from gdskv.bench import BenchOptions, run\n"
+        f"gdskv.peers.PEERS['toy'] = gdskv.peers.Peer('toy', {str(driver)!r}, 'venv-toy', 'import json', None)\n"
+        f"run(BenchOptions(directory={str(work)!r}, total_bytes=64 << 10, page_sizes=(64 << 10,), rounds=1, engines=(),\n"
+        "                 peers=('toy',), baselines=False, service=False))\n")
+    bench = subprocess.Popen([sys.executable, str(runner)], env={**os.environ, "XDG_CACHE_HOME": str(cache)},
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (pidfile.exists() and pidfile.read_text()):
+        assert bench.poll() is None, f"the bench ended early: {bench.stderr.read() if bench.stderr else ''}"
+        assert time.monotonic() < deadline, "the toy driver never started saving"
+        time.sleep(0.05)
+    assert [p.name.startswith("gdskv-bench-") for p in work.iterdir()] == [True]
+    return bench, json.loads(pidfile.read_text()), work
+
+
+def test_a_terminated_bench_stops_its_peer_drivers_and_removes_its_files(tmp_path: Path) -> None:
+    """SIGTERM (``timeout``, a job manager) while a peer's driver is busy: the bench kills the
+    driver, removes its temporary directory and exits 143, without a traceback."""
+    import signal
+
+    bench, driver, work = _busy_peer_bench(tmp_path)
+    bench.send_signal(signal.SIGTERM)
+    _, err = bench.communicate(timeout=60)
+    assert bench.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err
+    assert not _running(driver)
+    assert list(work.iterdir()) == []
+
+
+def test_a_peer_driver_whose_bench_is_killed_exits_by_itself(tmp_path: Path) -> None:
+    """SIGKILL of the bench (nothing of it runs after): its busy peer driver notices it is
+    orphaned and exits within seconds instead of going on for minutes."""
+    import signal
+    import time
+
+    bench, driver, _ = _busy_peer_bench(tmp_path)
+    bench.send_signal(signal.SIGKILL)
+    bench.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while _running(driver) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(driver)

@@ -97,6 +97,9 @@ class PeerSubject:
         self.name = f"peer:{peer.name}"
         self._extra = prepare_extra
         py = peer.python(log)
+        self._busy = False
+        """A command was sent and its answer not read (set while ``_call`` waits): on ``close``
+        the driver is still working on it, or the wait was interrupted, and it is killed."""
         self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen([str(py), str(HERE / peer.driver)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._stderr, text=True, cwd="/")
@@ -123,12 +126,14 @@ class PeerSubject:
 
     def _call(self, op: str, **args: Any) -> dict:
         assert self._proc.stdin is not None
+        self._busy = True
         try:
             self._proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
             self._proc.stdin.flush()
         except OSError:  # a broken pipe: the driver is gone
             raise self._gone() from None
         answer = self._read()
+        self._busy = False
         if "error" in answer:
             raise RuntimeError(f"{self.name}: {answer['error']}")
         return answer
@@ -153,9 +158,15 @@ class PeerSubject:
         return self._call("files")["files"]
 
     def end_round(self) -> None:
-        self._call("end_round")
+        if not self._busy:  # else the round was interrupted mid-command: ``close`` kills the driver
+            self._call("end_round")
 
     def close(self) -> None:
+        """Ask the driver to quit and wait for it; kill it when it is still busy with a command
+        (the bench was interrupted or terminated meanwhile) or does not quit."""
+        if self._proc.poll() is None and self._busy:
+            self._proc.kill()
+            self._proc.wait()
         if self._proc.poll() is None:
             try:
                 assert self._proc.stdin is not None
@@ -164,4 +175,5 @@ class PeerSubject:
                 self._proc.wait(30)
             except (OSError, subprocess.SubprocessError):
                 self._proc.kill()
+                self._proc.wait()
         self._stderr.close()
