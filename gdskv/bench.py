@@ -54,9 +54,10 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 import torch
 
@@ -664,28 +665,31 @@ TERMINATED_STATUS = 128 + signal.SIGTERM
 """The exit status of a bench stopped by SIGTERM (the shell's convention)."""
 
 
-def _stop_on_sigterm() -> Optional[Any]:
-    """From the main thread: SIGTERM (a job manager, ``timeout``, ``kill``) ends the run as an
-    interrupt does, through ``run``'s cleanup (its temporary directory, peer drivers), with exit
-    status ``TERMINATED_STATUS``; the previous handler, to restore (None elsewhere: left alone)."""
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Within it, from the main thread, SIGTERM (a job manager, ``timeout``, ``kill``) raises
+    ``SystemExit(TERMINATED_STATUS)`` as Ctrl-C raises ``KeyboardInterrupt``: the benchmark
+    unwinds through its cleanup (temporary directories, peer drivers, servers) instead of dying
+    with them left behind. Used by ``run`` and by the benchmark scripts' ``__main__``."""
     if threading.current_thread() is not threading.main_thread():
-        return None
+        yield
+        return
 
     def stop(signum: int, frame: Any) -> NoReturn:
         raise SystemExit(TERMINATED_STATUS)
 
-    return signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run(options: BenchOptions, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Measure every subject at every page size; the report as a JSON-ready dict. Stopped by
     SIGTERM, it removes what it made and raises ``SystemExit(TERMINATED_STATUS)``."""
-    previous = _stop_on_sigterm()
-    try:
+    with sigterm_as_exit():
         return _run(options, log)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(options: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:

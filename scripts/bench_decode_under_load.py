@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from gdskv.bench import OneLineParser  # noqa: E402
+from gdskv.bench import OneLineParser, sigterm_as_exit  # noqa: E402
 from gdskv.config import GdsKvConfig  # noqa: E402
 from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs  # noqa: E402
 from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine  # noqa: E402
@@ -285,4 +285,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_exit():
+        sys.exit(main())

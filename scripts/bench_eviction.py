@@ -40,6 +40,7 @@ import torch
 
 from gdskv import eviction as ev
 from gdskv import format as fmt
+from gdskv.bench import sigterm_as_exit
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import catalog
 from gdskv.eviction.journal import PUBLISH, journal_of, records
@@ -218,4 +219,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_exit():
+        sys.exit(main())

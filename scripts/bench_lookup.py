@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdskv.bench import ChunkWriter  # noqa: E402
+from gdskv.bench import ChunkWriter, sigterm_as_exit  # noqa: E402
 from gdskv.store import GroupSpec, Namespace, NamespaceSpec, PageStore  # noqa: E402
 
 PAGE_BYTES = 64
@@ -116,4 +116,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_exit():
+        sys.exit(main())

@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gdskv.bench import sigterm_as_exit  # noqa: E402
 from gdskv.config import GdsKvConfig, RemoteConfig, parse_size  # noqa: E402
 from gdskv.keys import chain_keys  # noqa: E402
 from gdskv.remote import ObjectClient  # noqa: E402
@@ -248,4 +249,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_exit():
+        sys.exit(main())

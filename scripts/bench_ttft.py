@@ -60,7 +60,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from gdskv.bench import OneLineParser, drop_page_cache, fill_page_cache
+from gdskv.bench import OneLineParser, drop_page_cache, fill_page_cache, sigterm_as_exit
 from gdskv.config import GdsKvConfig, parse_size
 from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
 from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine
@@ -491,4 +491,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_exit():
+        sys.exit(main())

@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from gdskv.bench import sigterm_as_exit  # noqa: E402
 from gdskv.config import parse_size  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -675,4 +676,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_exit():
+        sys.exit(main())

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from gdskv import format as fmt
+from gdskv.bench import sigterm_as_exit
 from gdskv.config import ConfigError, GdsKvConfig, load_config
 from gdskv.eviction import install_budget
 from gdskv.garbage import collect_in_background
@@ -1818,4 +1819,5 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_exit():
+        sys.exit(main())
