@@ -18,6 +18,7 @@ from gdskv.keys import chain_keys
 from gdskv.layout import BAD_PAGE_INDEX
 from gdskv.planner import (
     ConnectorMetadata,
+    PageOp,
     RequestPlan,
     StepReport,
     contiguous_hits,
@@ -385,6 +386,37 @@ def test_metadata_is_picklable_and_lists_ops_per_group():
     assert [(rid, op.page_slot) for rid, op in back.saves_of_group(0)] == [(3, 4), (3, 5)]
     assert [(rid, op.page_slot) for rid, op in back.saves_of_group(1)] == [(3, 6)]
     assert back.saves_of_group(0)[0][1].key == chain_keys(list(range(8)), 4, "salt")[0]
+
+
+
+def _ops(keys: list[bytes], parents: list, first_slot: int = 1000, gid: int = 0) -> tuple[PageOp, ...]:
+    return tuple(PageOp(gid, first_slot + 7 * i, k, p) for i, (k, p) in enumerate(zip(keys, parents)))
+
+
+def test_plans_pickle_as_columns_and_come_back_op_for_op():
+    """A step's ops travel as columns (``RequestPlan.__reduce__``): every op comes back equal,
+    as a ``PageOp``, for a lookup's chained run from block 0, a run chained on a parent, saves
+    whose parents do not chain (None among them), one op, keys of mixed lengths (sent as they
+    are) and empty groups; inside the TensorRT-LLM scheduler's ``StepMetadata`` too."""
+    from gdskv.connectors.trtllm.scheduler import StepMetadata
+
+    keys = chain_keys(list(range(64 * 40)), 64)
+    plans = (
+        RequestPlan(1, loads={0: _ops(keys, [None, *keys[:-1]]), 2: _ops(keys[5:], keys[4:-1], gid=2)}),
+        RequestPlan(2, saves={0: _ops(keys[::3], [keys[1], None, *keys[:11]]), 1: _ops(keys[:1], [None], gid=1)}),
+        RequestPlan(3, loads={0: _ops([keys[0], keys[1][:8]], [None, keys[0]])}, saves={0: ()}),
+        RequestPlan(4),
+    )
+    for meta in (ConnectorMetadata(plans, step=9), StepMetadata(plans, step=9, async_loads=frozenset({1}))):
+        back = pickle.loads(pickle.dumps(meta))
+        assert back == meta and type(back) is type(meta)
+        for sent, got in zip(meta.plans, back.plans):
+            for kind in ("loads", "saves"):
+                for gid, ops in getattr(sent, kind).items():
+                    came = getattr(got, kind)[gid]
+                    assert [tuple(op) for op in came] == [tuple(op) for op in ops]
+                    assert all(type(op) is PageOp for op in came)
+        assert [op.parent_key for _, op in back.loads_of_group(0)][:3] == [None, keys[0], keys[1]]
 
 
 # --- engines that name their blocks themselves (MAX) ---------------------------------------------
