@@ -224,6 +224,42 @@ def test_a_link_where_chunk_directories_belong_is_never_followed_to_make_them(st
     x.close()
 
 
+
+def test_native_writes_make_every_missing_directory_from_the_deepest_existing_one(tmp_path):
+    """``write_chunks`` with ``dir_mode``: directories missing down from the root itself, from
+    a shared parent made by an earlier job, one level deep; each with the mode whatever the
+    umask; a link on the way is refused (nothing written through it); an absolute path never
+    leaves the root; a missing path with an empty component is EINVAL."""
+    import errno
+
+    if not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (root / "l").mkdir()
+    os.symlink(outside, root / "l" / "ink")
+    data = torch.arange(100, dtype=torch.uint8)
+    piece = [(data.data_ptr(), 100)]
+    dirs = ["a/b/c", "a/b/d", "a/x", "z", "l/ink/q", "l/ink", str(outside), "m//n", "p/"]
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    old = os.umask(0o077)
+    try:
+        errs = batchio.write_chunks(fd, [(d, "t.tmp", "chunk", piece) for d in dirs], 0o640, True, False, False,
+                                    threads=1, dir_mode=0o750, dir_chmod=True)
+    finally:
+        os.umask(old)
+        os.close(fd)
+    assert errs[:4] == [0, 0, 0, 0]
+    assert errs[4] in (errno.ELOOP, errno.EXDEV) and errs[5] in (errno.ELOOP, errno.EXDEV, errno.ENOTDIR)
+    assert errs[6:] == [errno.EXDEV, errno.EINVAL, errno.EINVAL]
+    for d in dirs[:4]:
+        assert (root / d / "chunk").read_bytes() == bytes(range(100))
+    for d in ("a", "a/b", "a/b/c", "a/b/d", "a/x", "z"):
+        assert os.stat(root / d).st_mode & 0o777 == 0o750, d
+    assert list(outside.iterdir()) == []
+
+
 def test_an_empty_batch_is_no_futures(store_path):
     x = make(store_path)
     assert x.load_pages(0, []) == [] and x.save_pages(0, []) == []

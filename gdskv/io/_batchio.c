@@ -424,40 +424,55 @@ static int write_rest(int fd, job_t *j, size_t from) {
 
 /* The directory `rel` beneath the root and its missing parents, made with `mode` (exactly, when
  * `do_chmod`), each opened beneath the root without following a link, as
- * gdskv.confined.ConfinedDir.makedirs does; 0, or an errno. Threads making the same one race
- * harmlessly (EEXIST). */
-static int make_dirs(int root, const char *rel, int mode, int do_chmod) {
+ * gdskv.confined.ConfinedDir.makedirs does: the deepest existing ancestor is found going up, and
+ * the missing components are made going down from its descriptor, one at a time (a chunk's two
+ * new directories cost 8 system calls, not 19 as from the root each time). Threads making the
+ * same one race harmlessly (EEXIST). Returns 0 with `*out` the directory opened (O_PATH), or an
+ * errno. */
+static int make_dirs(int root, const char *rel, int mode, int do_chmod, int *out) {
     char path[4096];
     size_t len = strlen(rel);
-    if (len == 0 || len >= sizeof path) return ENAMETOOLONG;
+    if (len >= sizeof path) return ENAMETOOLONG;
+    if (len == 0 || rel[0] == '/' || rel[len - 1] == '/' || strstr(rel, "//")) return EINVAL;
     memcpy(path, rel, len + 1);
-    for (size_t end = 0; end <= len; end++) {
-        if (path[end] != '/' && path[end] != 0) continue;
-        if (end == 0 || path[end - 1] == '/') return EINVAL;
-        path[end] = 0;
-        char *slash = strrchr(path, '/');
-        const char *name = slash ? slash + 1 : path;
-        if (slash) *slash = 0;
-        int pfd = open_beneath(root, slash ? path : ".", O_PATH | O_DIRECTORY, 0);
-        if (slash) *slash = '/';
-        int err = 0;
-        if (pfd < 0) {
-            err = errno;
+    size_t have = len;  /* path[0:have] is the part that exists (0: the root itself) */
+    int fd = -1;
+    for (;;) {
+        char *slash = have ? memrchr(path, '/', have) : NULL;
+        have = slash ? (size_t)(slash - path) : 0;
+        if (have) {
+            path[have] = 0;
+            fd = open_beneath(root, path, O_PATH | O_DIRECTORY, 0);
+            path[have] = '/';
         } else {
-            if (mkdirat(pfd, name, (mode_t)mode) == 0) {
-                if (do_chmod) {
-                    int fd = openat(pfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-                    if (fd < 0 || fchmod(fd, (mode_t)mode) != 0) err = errno;
-                    if (fd >= 0) close(fd);
-                }
-            } else if (errno != EEXIST) {
-                err = errno;
-            }
-            close(pfd);
+            fd = open_beneath(root, ".", O_PATH | O_DIRECTORY, 0);
         }
-        if (end < len) path[end] = '/';
-        if (err) return err;
+        if (fd >= 0) break;
+        if (errno != ENOENT || !have) return errno;
     }
+    const char *name = have ? path + have + 1 : path;
+    for (;;) {
+        char *slash = strchr(name, '/');
+        if (slash) *slash = 0;
+        int err = 0;
+        if (mkdirat(fd, name, (mode_t)mode) == 0) {
+            if (do_chmod) {
+                int cfd = openat(fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+                if (cfd < 0 || fchmod(cfd, (mode_t)mode) != 0) err = errno;
+                if (cfd >= 0) close(cfd);
+            }
+        } else if (errno != EEXIST) {
+            err = errno;
+        }
+        int next = err ? -1 : open_beneath(fd, name, O_PATH | O_DIRECTORY, 0);
+        if (!err && next < 0) err = errno;
+        close(fd);
+        if (err) return err;
+        fd = next;
+        if (!slash) break;
+        name = slash + 1;
+    }
+    *out = fd;
     return 0;
 }
 
@@ -465,12 +480,11 @@ static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sy
                       int dir_mode, int dir_chmod) {
     int dfd = open_beneath(root, j->path, O_PATH | O_DIRECTORY, 0);
     if (dfd < 0 && errno == ENOENT && dir_mode >= 0) {
-        int err = make_dirs(root, j->path, dir_mode, dir_chmod);
+        int err = make_dirs(root, j->path, dir_mode, dir_chmod, &dfd);
         if (err) {
             j->err = err;
             return;
         }
-        dfd = open_beneath(root, j->path, O_PATH | O_DIRECTORY, 0);
     }
     if (dfd < 0) {
         j->err = errno;
