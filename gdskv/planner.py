@@ -82,25 +82,26 @@ def _ops_to_wire(ops: tuple[PageOp, ...]) -> tuple:
     """One group's ops as pickle carries them. A restored 32k-token prefix is 512 ops in the
     step that admits it: pickled and unpickled one tuple each, the round trip was 1.0-1.7 ms of
     that step (on every rank); as columns (slots as int64 bytes, keys end to end, the parents as
-    "each key's predecessor" where they chain, as a lookup's run does) it is ~0.4 ms. Ops whose
-    keys are not all bytes of one length travel as they are."""
+    "each key's predecessor" where they chain, as a lookup's run does: one parent, the first
+    op's) it is ~0.4 ms. Ops of mixed layer groups, or whose keys are not all bytes of one
+    length, travel as they are."""
     keys = [op.key for op in ops]
-    if not ops or len({len(k) for k in keys}) != 1 or not all(type(k) is bytes for k in keys):
+    if (not ops or len({len(k) for k in keys}) != 1 or not all(type(k) is bytes for k in keys)
+            or len({op.layer_group_id for op in ops}) != 1):
         return ("ops", ops)
     parents = [op.parent_key for op in ops]
-    chained = parents[1:] == keys[:-1]
     return ("cols", ops[0].layer_group_id, len(keys[0]), array("q", [op.page_slot for op in ops]).tobytes(),
-            b"".join(keys), (parents[0],) if chained else tuple(parents), chained)
+            b"".join(keys), (parents[0],) if parents[1:] == keys[:-1] else tuple(parents))
 
 
 def _ops_from_wire(wire: tuple) -> tuple[PageOp, ...]:
     if wire[0] == "ops":
         return wire[1]
-    _, gid, size, slot_bytes, blob, parents, chained = wire
+    _, gid, size, slot_bytes, blob, parents = wire
     slots = array("q")
     slots.frombytes(slot_bytes)
     keys = [blob[at:at + size] for at in range(0, len(blob), size)]
-    if chained:
+    if len(parents) == 1:  # chained (one op is a chain of one)
         parents = [parents[0], *keys[:-1]]
     make = tuple.__new__  # PageOp's own __new__ is a Python function: a third of the cost
     return tuple([make(PageOp, op) for op in zip([gid] * len(keys), slots, keys, parents)])

@@ -396,8 +396,8 @@ def _ops(keys: list[bytes], parents: list, first_slot: int = 1000, gid: int = 0)
 def test_plans_pickle_as_columns_and_come_back_op_for_op():
     """A step's ops travel as columns (``RequestPlan.__reduce__``): every op comes back equal,
     as a ``PageOp``, for a lookup's chained run from block 0, a run chained on a parent, saves
-    whose parents do not chain (None among them), one op, keys of mixed lengths (sent as they
-    are) and empty groups; inside the TensorRT-LLM scheduler's ``StepMetadata`` too."""
+    whose parents do not chain (None among them), one op, keys of mixed lengths or ops of mixed
+    layer groups (sent as they are) and empty groups; inside the TensorRT-LLM scheduler's ``StepMetadata`` too."""
     from gdskv.connectors.trtllm.scheduler import StepMetadata
 
     keys = chain_keys(list(range(64 * 40)), 64)
@@ -405,6 +405,7 @@ def test_plans_pickle_as_columns_and_come_back_op_for_op():
         RequestPlan(1, loads={0: _ops(keys, [None, *keys[:-1]]), 2: _ops(keys[5:], keys[4:-1], gid=2)}),
         RequestPlan(2, saves={0: _ops(keys[::3], [keys[1], None, *keys[:11]]), 1: _ops(keys[:1], [None], gid=1)}),
         RequestPlan(3, loads={0: _ops([keys[0], keys[1][:8]], [None, keys[0]])}, saves={0: ()}),
+        RequestPlan(5, saves={0: (PageOp(0, 3, keys[1], keys[0]), PageOp(1, 4, keys[2], keys[1]))}),
         RequestPlan(4),
     )
     for meta in (ConnectorMetadata(plans, step=9), StepMetadata(plans, step=9, async_loads=frozenset({1}))):
