@@ -4,7 +4,7 @@ Posting a page costs Python work (its segments, its future, its hand-off to the 
 about 25 us, so a 32k-token prefix of 512 pages posted at once is a 13 ms stall of the serving
 loop in the step that admits the request, while the disk can only take the first
 ``io_threads`` of them anyway. A ``PacedLoad`` posts one slice when it starts (or, with
-``start_now=False``, at its first ``pump``) and one more at each ``pump`` (the serving loop calls
+``start_at=k``, at its k-th ``pump``) and one more at each ``pump`` (the serving loop calls
 it at every step's start and end) while fewer than a slice are unfinished, so each step pays for
 the pages the disk finished since, not for the whole prefix. Should every posted page finish
 between two pumps (steps longer than the disk needs for a slice), the last one to finish posts
@@ -45,7 +45,7 @@ class PacedLoad:
     or ``cancel`` (or a post that raised) stopped it and what was posted finished. Thread-safe.
     """
 
-    def __init__(self, ops: Sequence[Any], post: PostFn, slice_pages: int = PACE_SLICE, start_now: bool = True) -> None:
+    def __init__(self, ops: Sequence[Any], post: PostFn, slice_pages: int = PACE_SLICE, start_at: int = 0) -> None:
         self._ops = list(ops)
         self._post = post
         self._slice = max(1, slice_pages)
@@ -55,7 +55,8 @@ class PacedLoad:
         self._unfinished = 0
         self._cancelled = False
         self._posting = False
-        if start_now:
+        self._waits = max(0, start_at - 1)
+        if start_at <= 0:
             self.pump()
 
     @property
@@ -72,6 +73,9 @@ class PacedLoad:
         """Post the next slice if fewer than a slice of pages are unfinished. Called by the
         serving loop (the worker's ``start_load_kv`` and ``get_finished``)."""
         with self._lock:
+            if self._waits:
+                self._waits -= 1
+                return
             if self._posting or self._cancelled or self._next >= len(self._ops) or self._unfinished >= self._slice:
                 return
             start = self._next

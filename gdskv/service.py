@@ -392,6 +392,15 @@ class KvService:
             out[i] = fut
         return out
 
+    def reap(self) -> None:
+        """Finish, on this thread, the asynchronous loads whose pages landed since the last call
+        (``PageTransfer.reap``: their bookkeeping, their futures and those futures' callbacks).
+        The serving loop calls it between steps (the TensorRT-LLM and vLLM workers, before they
+        look at their loads' futures), so no transfer thread takes the interpreter from it;
+        uncalled, the loads finish anyway, ``gdskv.transfer.REAP_GRACE`` seconds later."""
+        for transfer in self.transfers.values():
+            transfer.reap()
+
     def save(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[Any],
              ready: Optional[Any] = None, shard: Optional[int] = None) -> Optional["Future[SaveStatus]"]:
         """Publish a page of this shard (or of ``shard``, one of ``shards``) under ``key``

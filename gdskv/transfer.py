@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -46,6 +46,11 @@ NATIVE_CALLERS = 2
 """Pool threads that pass slices to the native batch path at once: two, so that one verifies and
 resolves its slice (with the GIL) while the other's pages move (without it)."""
 
+
+REAP_GRACE = 0.05
+"""Seconds a finished asynchronous load waits for the serving loop to collect it (``PageTransfer.reap``
+between steps) before the reaper thread does: long enough that between steps of a busy engine
+the serving thread collects every one, so no Python thread takes the interpreter from it."""
 
 DoneFn = Callable[[list[int], Optional[list[Any]], list[int]], None]
 """``on_done(done, results, skipped)`` of ``save_pages``/``load_pages``: see ``PageTransfer._batch``."""
@@ -101,6 +106,11 @@ class PageTransfer:
         self._warned: dict[str, float] = {}
         self._warn_lock = threading.Lock()
         self._tmp_seq = itertools.count()  # temp names unique within the process, no syscall
+        self._background_nice = background_nice
+        self._completions: Optional[Any] = None  # asynchronous loads' native reads (``_load_later``)
+        self._reaper: Optional[threading.Thread] = None
+        self._later_lock = threading.Lock()
+        self._closed = False
 
     # --- saves --------------------------------------------------------------------------------
     def save_page(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[torch.Tensor],
@@ -322,6 +332,8 @@ class PageTransfer:
         ``background``: no forward pass waits for these pages (an asynchronous load): they move
         on the background threads."""
         jobs = [(item[0], list(item[1]), item[2] if len(item) > 2 else None) for item in items]
+        if background and ready is None and jobs and self._later_ready():
+            return self._load_later(group, jobs, on_done)
         return self._batch(self._load, self._load_slice, group, jobs, ready, on_done,
                            self._background if background else self._pool)
 
@@ -365,11 +377,8 @@ class PageTransfer:
                         results = [fn(group, *jobs[i]) for i in picked]
                 except BaseException as e:  # noqa: BLE001 - delivered through the pages' futures
                     results, error = None, e
-                if on_done is not None:
-                    try:
-                        on_done(picked, results, [i for i in span if i not in picked] if len(picked) < len(span) else [])
-                    except Exception:  # never lose the pages' futures to the bookkeeping
-                        log.exception("gdskv: bookkeeping of a finished slice failed")
+                _bookkeep(on_done, picked, results,
+                          [i for i in span if i not in picked] if len(picked) < len(span) else [])
                 resolve_many([futures[i] for i in picked], results, error)
 
         for _ in range(threads):
@@ -441,21 +450,34 @@ class PageTransfer:
         (``batchio.expectation``); a trailer it did not verify is checked here. A page the batch
         path cannot take, or that fails in it (missing, short, corrupt, refused), goes through
         ``_load``, which classifies and counts it."""
-        ns = self.ns
-        fs = ns.store.fs
-        budget = ns.store.budget
         out: list[Optional[LoadStatus]] = [None] * len(jobs)
-        native: list[int] = []
-        work: list[tuple] = []
-        trailers: list[bytearray] = []
-        sizes: list[int] = []
-        pinned: list[str] = []
-        copy_to_via: set[int] = set()
+        reads, rest = self._prepare_reads(group, jobs)
+        for i in rest:
+            out[i] = self._load(group, *jobs[i])
+        if reads.work:
+            try:
+                results = self.engine.read_chunks_now(self.ns.store.fs.fd, reads.work, threads)
+            except BaseException:
+                self._unpin(reads)
+                raise
+            for i in self._settle_reads(group, jobs, reads, results, out):
+                out[i] = self._load(group, *jobs[i])
+        self._maybe_flush()
+        return out  # type: ignore[return-value]
+
+    def _prepare_reads(self, group: int, jobs: Sequence[tuple[bytes, list[torch.Tensor], Optional[torch.Tensor]]]
+                       ) -> tuple["_Reads", list[int]]:
+        """The native read jobs of the pages the batch path can take (their chunks pinned against
+        eviction until ``_settle_reads``), and the indices of those it cannot."""
+        ns = self.ns
+        budget = ns.store.budget
+        reads = _Reads()
+        rest: list[int] = []
         for i, (key, segments, via) in enumerate(jobs):
             trailer = bytearray(fmt.TRAILER_BYTES)
             pieces = batchio.pieces_of(segments, trailer)
             if pieces is None:
-                out[i] = self._load(group, key, segments, via)
+                rest.append(i)
                 continue
             through = None
             nbytes = sum(n for _, n in pieces[:-1])
@@ -463,39 +485,121 @@ class PageTransfer:
                 through = [(via.data_ptr(), via.numel())]
             expect = None if self._auth_key is not None or len(key) not in (8, 32) else \
                 batchio.expectation(group, nbytes, ns.store_key(group, key), key)
-            work.append((ns.chunk_relpath(group, key), pieces, through, expect))
-            trailers.append(trailer)
-            sizes.append(nbytes)
-            native.append(i)
+            reads.work.append((ns.chunk_relpath(group, key), pieces, through, expect))
+            reads.trailers.append(trailer)
+            reads.sizes.append(nbytes)
+            reads.native.append(i)
             if through is None and via is not None:
-                copy_to_via.add(i)
+                reads.copy_to_via.add(i)
             if budget is not None:
-                pinned.append(ns.chunk_path(group, key))
-                budget.pin(pinned[-1])
-        if work:
+                reads.pinned.append(ns.chunk_path(group, key))
+                budget.pin(reads.pinned[-1])
+        return reads, rest
+
+    def _unpin(self, reads: "_Reads") -> None:
+        budget = self.ns.store.budget
+        for path in reads.pinned:
+            budget.unpin(path)
+        reads.pinned = []
+
+    def _settle_reads(self, group: int, jobs: Sequence[tuple[bytes, list[torch.Tensor], Optional[torch.Tensor]]],
+                      reads: "_Reads", results: Sequence[batchio.ReadResult], out: list[Optional[LoadStatus]]) -> list[int]:
+        """After the native reads of ``_prepare_reads``: unpin their chunks, verify what the
+        native side did not, set ``out[i]`` LOADED for each page that holds its KV now and count
+        them; the indices of the pages that failed there (for ``_load`` to classify)."""
+        ns = self.ns
+        self._unpin(reads)
+        failed: list[int] = []
+        loaded = nbytes_loaded = 0
+        for i, trailer, nbytes, result in zip(reads.native, reads.trailers, reads.sizes, results):
+            key, segments, via = jobs[i]
+            if result.err == 0 and (result.verified or checksum.check_crc(
+                    trailer, segments, result.crc, group=group, store_key=ns.store_key(group, key), block_key=key,
+                    nbytes=nbytes, auth_key=self._auth_key) is None):
+                loaded += 1
+                nbytes_loaded += nbytes
+                out[i] = LoadStatus.LOADED
+                if i in reads.copy_to_via:
+                    gather(segments, via)
+            else:
+                failed.append(i)
+        if loaded:
+            ns.counters.add("loads_hit", loaded)
+            ns.counters.add("bytes_read", nbytes_loaded)
+        return failed
+
+    # --- asynchronous loads collected by the serving loop ---------------------------------------
+    def _later_ready(self) -> bool:
+        """Whether background loads can go through ``_load_later``."""
+        if self._completions is None and self._batchable():
+            with self._later_lock:
+                if self._completions is None and not self._closed:
+                    self._completions = batchio.completions()
+                    self._reaper = threading.Thread(target=self._reap_overdue, name="gdskv-xfer-reap", daemon=True)
+                    self._reaper.start()
+        return self._completions is not None and self._batchable()
+
+    def _load_later(self, group: int, jobs: list[tuple], on_done: Optional[DoneFn]) -> list[Future]:
+        """An asynchronous load's pages started on native threads (niced by ``background_nice``)
+        and returned from at once: the pages' futures resolve, and ``on_done`` runs, in the
+        ``reap`` that collects them, on the serving loop's thread between steps, so no Python
+        thread competes with it for the interpreter while the pages move. Pages the batch path
+        cannot take, and pages that fail in it, are redone on the background pool."""
+        futures = batch_futures(len(jobs))
+        for fut in futures:
+            fut.set_running_or_notify_cancel()
+        reads, rest = self._prepare_reads(group, jobs)
+        if reads.work:
+            later = _Later(group, jobs, reads, futures, on_done)
             try:
-                results = self.engine.read_chunks_now(fs.fd, work, threads)
-            finally:
-                for path in pinned:
-                    budget.unpin(path)
-            loaded = nbytes_loaded = 0
-            for i, trailer, nbytes, result in zip(native, trailers, sizes, results):
-                key, segments, via = jobs[i]
-                if result.err == 0 and (result.verified or checksum.check_crc(
-                        trailer, segments, result.crc, group=group, store_key=ns.store_key(group, key), block_key=key,
-                        nbytes=nbytes, auth_key=self._auth_key) is None):
-                    loaded += 1
-                    nbytes_loaded += nbytes
-                    out[i] = LoadStatus.LOADED
-                    if i in copy_to_via:
-                        gather(segments, via)
-                else:
-                    out[i] = self._load(group, key, segments, via)
-            if loaded:
-                ns.counters.add("loads_hit", loaded)
-                ns.counters.add("bytes_read", nbytes_loaded)
+                self.engine.read_chunks_later(self._completions, self.ns.store.fs.fd, reads.work,
+                                              max(1, self.depth // NATIVE_CALLERS), self._background_nice, later)
+            except Exception as e:  # never into the serving loop: these pages go the per-page way
+                log.warning("gdskv: an asynchronous load could not start natively (%d pages redone): %s",
+                            len(reads.work), e)
+                self._unpin(reads)
+                rest += reads.native
+        if rest:
+            self._background.submit(self._redo, group, jobs, sorted(rest), futures, on_done)
+        return futures
+
+    def reap(self) -> None:
+        """Finish the asynchronous loads whose reads completed since the last call: verify and
+        count their pages, run their ``on_done`` and resolve their futures (and so their
+        callbacks) on this thread. Called by the serving loop between steps (``KvService.reap``)
+        and by this transfer's reaper thread for loads the serving loop left uncollected for
+        ``REAP_GRACE`` seconds (it does not call, or its steps are long)."""
+        if self._completions is None:
+            return
+        for later, results in self.engine.collect_reads(self._completions):
+            out: list[Optional[LoadStatus]] = [None] * len(later.jobs)
+            try:
+                failed = self._settle_reads(later.group, later.jobs, later.reads, results, out)
+            except Exception:  # never lose the pages' futures: they are redone one by one
+                log.exception("gdskv: settling an asynchronous load failed")
+                failed = later.reads.native
+            done = [i for i in later.reads.native if out[i] is not None]
+            _bookkeep(later.on_done, done, [out[i] for i in done])
+            resolve_many([later.futures[i] for i in done], [out[i] for i in done], None)
+            if failed:
+                self._background.submit(self._redo, later.group, later.jobs, failed, later.futures, later.on_done)
         self._maybe_flush()
-        return out  # type: ignore[return-value]
+
+    def _reap_overdue(self) -> None:
+        """The reaper thread: waits without the interpreter until a finished asynchronous load
+        has gone uncollected for ``REAP_GRACE`` seconds, then reaps; exits at ``close``."""
+        completions = self._completions
+        while not self._closed:
+            if completions.wait_overdue(REAP_GRACE, 3600.0):
+                self.reap()
+
+    def _redo(self, group: int, jobs: Sequence[tuple], idx: list[int], futures: list[Future],
+              on_done: Optional[DoneFn]) -> None:
+        """Pages of an asynchronous load on the per-page path (the background pool), which
+        classifies and counts each."""
+        results = [self._load(group, *jobs[i]) for i in idx]
+        _bookkeep(on_done, idx, results)
+        resolve_many([futures[i] for i in idx], results, None)
 
     def _read_and_verify(self, group: int, key: bytes, nbytes: int, segs: list[Segment], trailer: bytearray,
                          segments: list[torch.Tensor]) -> Optional[str]:
@@ -556,9 +660,54 @@ class PageTransfer:
 
     def close(self) -> None:
         """Wait for in-flight transfers and persist counters. The engine is closed by its owner."""
+        with self._later_lock:
+            self._closed = True
+        if self._completions is not None:
+            self._completions.close()
+            self._reaper.join()
+            while not self._completions.wait_idle(1.0):
+                pass
+            self.reap()
         self._pool.shutdown(wait=True)
         self._background.shutdown(wait=True)
         self.ns.store.flush_stats()
+
+
+def _bookkeep(on_done: Optional[DoneFn], done: list[int], results: Optional[list[Any]], skipped: Sequence[int] = ()) -> None:
+    """``on_done`` of finished pages, before their futures resolve; never raises."""
+    if on_done is None:
+        return
+    try:
+        on_done(done, results, list(skipped))
+    except Exception:  # never lose the pages' futures to the bookkeeping
+        log.exception("gdskv: bookkeeping of a finished slice failed")
+
+
+class _Reads:
+    """The native read jobs of a slice of load jobs (``PageTransfer._prepare_reads``): per
+    native page its index among the jobs, its job, trailer buffer and payload size; the chunks
+    pinned meanwhile; the pages whose ``via`` copy is made after verification."""
+
+    __slots__ = ("native", "work", "trailers", "sizes", "pinned", "copy_to_via")
+
+    def __init__(self) -> None:
+        self.native: list[int] = []
+        self.work: list[tuple] = []
+        self.trailers: list[bytearray] = []
+        self.sizes: list[int] = []
+        self.pinned: list[str] = []
+        self.copy_to_via: set[int] = set()
+
+
+class _Later(NamedTuple):
+    """An asynchronous load's native reads in flight (``PageTransfer._load_later``), handed back
+    by ``collect_reads``."""
+
+    group: int
+    jobs: list[tuple]
+    reads: _Reads
+    futures: list[Future]
+    on_done: Optional[DoneFn]
 
 
 def _started_pool(threads: int, name: str, nice: int) -> ThreadPoolExecutor:

@@ -70,12 +70,22 @@ def test_a_paced_load_posts_a_slice_at_a_time_and_never_more_than_two_unfinished
     assert sorted(i for c in posts.calls for i in c) == list(range(100))
 
 
-def test_a_paced_load_started_later_posts_nothing_before_its_first_pump():
+def test_a_paced_load_started_later_posts_nothing_before_the_pump_it_starts_at():
     posts = Posts()
-    load = PacedLoad(list(range(25)), posts, slice_pages=10, start_now=False)
+    load = PacedLoad(list(range(25)), posts, slice_pages=10, start_at=1)
     assert posts.calls == [] and not load.done
     load.pump()
     assert posts.calls == [list(range(10))]
+    posts = Posts()
+    load = PacedLoad(list(range(25)), posts, slice_pages=10, start_at=3)
+    load.pump()
+    load.pump()
+    assert posts.calls == [] and not load.done
+    load.pump()
+    assert posts.calls == [list(range(10))]
+    load.pump()  # ten unfinished: nothing more
+    posts.finish(range(10))  # and from here on as any other
+    assert posts.calls[-1] == list(range(10, 20))
 
 
 def test_a_cancelled_or_failed_paced_load_finishes_with_its_unposted_pages_failed():

@@ -115,8 +115,11 @@ def test_a_request_aborted_while_its_async_load_runs_is_held_until_the_load_land
         worker.wait_for_layer_load(layer, None)
         worker.save_kv_layer(layer, None)
     worker.wait_for_save(None)
-    saved, loaded = worker.get_finished([], [7])  # the admitting step's end: the load's first slice is posted
-    assert saved == [] and worker.service.snapshot()["loads_posted"] > 0
+    saved, loaded = worker.get_finished([], [7])  # the admitting step's end: nothing posted yet (it did the lookup)
+    assert saved == [] and loaded == [] and worker.service.snapshot()["loads_posted"] == 0
+    worker.bind_connector_meta(scheduler.build_connector_meta(type("Out", (), {"new_requests": [], "cached_requests": []})()))
+    worker.start_load_kv(None)  # the next step's start: the load's first slice is posted
+    assert worker.service.snapshot()["loads_posted"] > 0
     # aborted before its load was reported: the pages stay allocated until get_finished says so
     assert scheduler.request_finished_by_layer_group(req, pages) is True
     assert scheduler.tracked == 0
@@ -145,7 +148,7 @@ def test_a_request_aborted_before_its_async_load_started_reads_nothing_and_is_re
     pages = [list(range(9))]
     scheduler.update_state_after_alloc_by_layer_group(req, pages)
     worker.bind_connector_meta(scheduler.build_connector_meta(type("Out", (), {"new_requests": [], "cached_requests": []})()))
-    worker.start_load_kv(None)  # the load is planned; its first slice goes out at the step's get_finished
+    worker.start_load_kv(None)  # the load is planned; its first slice goes out at the next step's start
     assert scheduler.request_finished_by_layer_group(req, pages) is True
     saved, loaded = worker.get_finished([8], [8])
     assert saved == [8] and loaded == [8]

@@ -47,6 +47,16 @@
  *   PATHS_PER_THREAD keys).
  * copy_many(copies, threads): host-memory copies [(dst, src, length), ...] in 1 MiB pieces on
  *   that many threads, the GIL released (host-tier hits into plain host memory).
+ * Completions(): reads that finish without anyone waiting (asynchronous loads, which no forward
+ *   pass waits for). q.read_later(root_fd, jobs, crc_fn, direct, threads, staging, staging_len,
+ *   nice, tag) starts read_chunks' work on threads of its own (their nice value raised by
+ *   `nice`) and returns at once; q.collect() hands back [(tag, [(err, crc, verified), ...]), ...]
+ *   for every call finished since, without waiting. The serving loop collects between its
+ *   steps, so no Python thread needs the interpreter while pages move: a Python thread woken by
+ *   every completion took the GIL from the serving thread at each one (and, niced, made it wait
+ *   for a CPU). q.wait_overdue(grace, timeout) blocks, GIL released, until a finished call has
+ *   gone uncollected for `grace` seconds (True; its caller collects instead), or `timeout`
+ *   passes or q.close() is called (False); q.wait_idle(timeout): until no call is running.
  * staging, staging_len (the two arguments after threads, in both): the caller's aligned memory
  *   for those buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an
  *   O_DIRECT request into 4 KiB pages is cut at the queue's segment limit (254 pages on the
@@ -63,6 +73,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -989,6 +1000,250 @@ static PyObject *staging_need(PyObject *self, PyObject *args) {
     return PyLong_FromSize_t(staging_for(most) * (size_t)threads_for(threads, n));
 }
 
+
+/* Completions: read_chunks calls that run on threads of their own and are collected later. */
+typedef struct later_s {
+    struct later_s *next;
+    struct completions_s *q;
+    batch_t b;
+    int threads, nice, done;
+    double done_at;   /* CLOCK_MONOTONIC seconds, once done */
+    PyObject *tag;    /* touched with the GIL only */
+} later_t;
+
+typedef struct completions_s {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    later_t *head, **tail;  /* started and not collected, oldest first */
+    Py_ssize_t running;
+    int closed;
+} completions_t;
+
+static double mono_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void finish_later(later_t *l) {
+    completions_t *q = l->q;
+    pthread_mutex_lock(&q->mu);
+    l->done = 1;
+    l->done_at = mono_now();
+    q->running--;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+}
+
+static void *run_later(void *arg) {
+    later_t *l = arg;
+    if (l->nice > 0) {  /* this thread's nice value; the workers it starts inherit it */
+        pid_t tid = (pid_t)syscall(SYS_gettid);
+        errno = 0;
+        int now = getpriority(PRIO_PROCESS, (id_t)tid);
+        if (errno == 0) setpriority(PRIO_PROCESS, (id_t)tid, now + l->nice > 19 ? 19 : now + l->nice);
+    }
+    run_threads(&l->b, l->threads);
+    finish_later(l);
+    return NULL;
+}
+
+static PyObject *completions_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "Completions() takes no arguments");
+        return NULL;
+    }
+    completions_t *q = (completions_t *)type->tp_alloc(type, 0);
+    if (!q) return NULL;
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&q->cv, &attr);
+    pthread_condattr_destroy(&attr);
+    q->tail = &q->head;
+    return (PyObject *)q;
+}
+
+/* Only reached once every started call was collected: each holds a reference to the queue. */
+static void completions_dealloc(PyObject *self) {
+    completions_t *q = (completions_t *)self;
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+    Py_TYPE(self)->tp_free(self);
+}
+
+static PyObject *completions_read_later(PyObject *self, PyObject *args) {
+    completions_t *q = (completions_t *)self;
+    int root, direct, threads, nice;
+    PyObject *list, *tag;
+    unsigned long long crc_addr, ext_addr;
+    Py_ssize_t ext_len;
+    if (!PyArg_ParseTuple(args, "iOKpiKniO", &root, &list, &crc_addr, &direct, &threads, &ext_addr, &ext_len, &nice,
+                          &tag))
+        return NULL;
+    if (!crc_addr) {
+        PyErr_SetString(PyExc_ValueError, "read_later needs crc32c_extend");
+        return NULL;
+    }
+    later_t *l = calloc(1, sizeof *l);
+    if (!l) return PyErr_NoMemory();
+    Py_ssize_t n;
+    job_t *jobs = parse_jobs(list, &n, 0);
+    if (!jobs) {
+        free(l);
+        return NULL;
+    }
+    l->b = (batch_t){jobs, n, 0, 0, root, direct, 0, 0, 0, -1, 0, (crc_fn_t)(uintptr_t)crc_addr, 0,
+                     (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
+    l->q = q;
+    l->threads = threads;
+    l->nice = nice;
+    Py_INCREF(tag);
+    l->tag = tag;
+    Py_INCREF(self);
+    pthread_mutex_lock(&q->mu);
+    *q->tail = l;
+    q->tail = &l->next;
+    q->running++;
+    pthread_mutex_unlock(&q->mu);
+    pthread_attr_t attr;
+    pthread_t tid;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int started = pthread_create(&tid, &attr, run_later, l) == 0;
+    pthread_attr_destroy(&attr);
+    if (!started) {  /* no thread to spare: the work runs here, and is collected as any other */
+        Py_BEGIN_ALLOW_THREADS
+        run_threads(&l->b, l->threads);
+        Py_END_ALLOW_THREADS
+        finish_later(l);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *completions_collect(PyObject *self, PyObject *noargs) {
+    completions_t *q = (completions_t *)self;
+    later_t *done = NULL, **done_tail = &done;
+    pthread_mutex_lock(&q->mu);
+    for (later_t **at = &q->head; *at;) {
+        later_t *l = *at;
+        if (!l->done) {
+            at = &l->next;
+            continue;
+        }
+        *at = l->next;
+        if (q->tail == &l->next) q->tail = at;
+        l->next = NULL;
+        *done_tail = l;
+        done_tail = &l->next;
+    }
+    pthread_mutex_unlock(&q->mu);
+    PyObject *out = PyList_New(0);
+    while (done) {
+        later_t *l = done;
+        done = l->next;
+        PyObject *results = out ? PyList_New(l->b.n) : NULL;
+        for (Py_ssize_t i = 0; results && i < l->b.n; i++) {
+            job_t *j = &l->b.jobs[i];
+            PyObject *r = Py_BuildValue("(iIi)", j->err, j->crc, j->verified);
+            if (!r) Py_CLEAR(results);
+            else PyList_SET_ITEM(results, i, r);
+        }
+        PyObject *pair = results ? PyTuple_Pack(2, l->tag, results) : NULL;
+        Py_XDECREF(results);
+        if (!pair || PyList_Append(out, pair) < 0) Py_CLEAR(out);
+        Py_XDECREF(pair);
+        Py_DECREF(l->tag);
+        free_jobs(l->b.jobs, l->b.n);
+        free(l);
+        Py_DECREF(self);
+    }
+    return out;
+}
+
+static PyObject *completions_wait_overdue(PyObject *self, PyObject *args) {
+    completions_t *q = (completions_t *)self;
+    double grace, timeout;
+    if (!PyArg_ParseTuple(args, "dd", &grace, &timeout)) return NULL;
+    int overdue = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double deadline = mono_now() + timeout;
+    pthread_mutex_lock(&q->mu);
+    while (!q->closed) {
+        double now = mono_now(), wake = deadline;
+        for (later_t *l = q->head; l; l = l->next)
+            if (l->done && l->done_at + grace < wake) wake = l->done_at + grace;
+        if (wake <= now) {
+            overdue = wake < deadline;
+            break;
+        }
+        struct timespec ts = {(time_t)wake, (long)((wake - (double)(time_t)wake) * 1e9)};
+        pthread_cond_timedwait(&q->cv, &q->mu, &ts);
+    }
+    pthread_mutex_unlock(&q->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(overdue);
+}
+
+static PyObject *completions_wait_idle(PyObject *self, PyObject *args) {
+    completions_t *q = (completions_t *)self;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "d", &timeout)) return NULL;
+    int idle;
+    Py_BEGIN_ALLOW_THREADS
+    double deadline = mono_now() + timeout;
+    pthread_mutex_lock(&q->mu);
+    while (q->running > 0 && mono_now() < deadline) {
+        struct timespec ts = {(time_t)deadline, (long)((deadline - (double)(time_t)deadline) * 1e9)};
+        pthread_cond_timedwait(&q->cv, &q->mu, &ts);
+    }
+    idle = q->running == 0;
+    pthread_mutex_unlock(&q->mu);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(idle);
+}
+
+static PyObject *completions_close(PyObject *self, PyObject *noargs) {
+    completions_t *q = (completions_t *)self;
+    pthread_mutex_lock(&q->mu);
+    q->closed = 1;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *completions_running(PyObject *self, PyObject *noargs) {
+    completions_t *q = (completions_t *)self;
+    pthread_mutex_lock(&q->mu);
+    Py_ssize_t n = q->running;
+    pthread_mutex_unlock(&q->mu);
+    return PyLong_FromSsize_t(n);
+}
+
+static PyMethodDef completions_methods[] = {
+    {"read_later", completions_read_later, METH_VARARGS, "Start a read_chunks call; its results are collected later."},
+    {"collect", completions_collect, METH_NOARGS, "[(tag, results)] of every call finished and not yet collected."},
+    {"wait_overdue", completions_wait_overdue, METH_VARARGS,
+     "Block (GIL released) until a finished call went uncollected for grace seconds, or timeout, or close."},
+    {"wait_idle", completions_wait_idle, METH_VARARGS, "Block (GIL released) until no call runs, or timeout."},
+    {"close", completions_close, METH_NOARGS, "Wake every wait_overdue; calls already started still finish."},
+    {"running", completions_running, METH_NOARGS, "How many calls are still running."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CompletionsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gdskv.io._batchio.Completions",
+    .tp_basicsize = sizeof(completions_t),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "read_chunks calls that finish on threads of their own and are collected later.",
+    .tp_new = completions_new,
+    .tp_dealloc = completions_dealloc,
+    .tp_methods = completions_methods,
+};
+
 static PyMethodDef methods[] = {
     {"stat_chunks", stat_chunks, METH_VARARGS, "Whether each store key's chunk is a regular file of the size."},
     {"lease_chunks", lease_chunks, METH_VARARGS, "Set times of each store key's chunk (see the module source)."},
@@ -1003,6 +1258,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_batchio", NULL, -1,
 
 PyMODINIT_FUNC PyInit__batchio(void) {
     PyObject *m = PyModule_Create(&module);
+    if (m && (PyType_Ready(&CompletionsType) < 0 || PyModule_AddObjectRef(m, "Completions", (PyObject *)&CompletionsType) < 0))
+        Py_CLEAR(m);
     if (m) {
         PyModule_AddIntConstant(m, "ERR_SHORT", ERR_SHORT);
         PyModule_AddIntConstant(m, "ERR_NOT_REGULAR", ERR_NOT_REGULAR);

@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -98,6 +98,19 @@ class IoEngine(abc.ABC):
         (``(rel, pieces)`` or ``(rel, pieces, outs)``: see ``gdskv.io.batch.read_chunks``).
         Called by the transfer layer's threads with a slice of a step's pages, only where
         ``batches_chunks``."""
+        raise NotImplementedError
+
+    def read_chunks_later(self, completions: Any, root_fd: int, jobs: Sequence[tuple], threads: int, nice: int,
+                          tag: Any) -> None:
+        """``read_chunks_now`` started on ``threads`` native threads niced by ``nice`` and
+        returning at once; ``collect_reads(completions)`` hands back ``(tag, results)`` once it
+        finished. Called by the transfer layer for asynchronous loads, only where
+        ``batches_chunks``."""
+        raise NotImplementedError
+
+    def collect_reads(self, completions: Any) -> list[tuple[Any, list]]:
+        """``(tag, results)`` of each ``read_chunks_later`` on ``completions`` finished since the
+        last call, without waiting."""
         raise NotImplementedError
 
     def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[tuple[int, int]]]],

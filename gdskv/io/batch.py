@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import struct
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from gdskv import format as fmt
 
@@ -85,6 +85,32 @@ def read_chunks(root_fd: int, jobs: Sequence[tuple], direct: bool, threads: int 
            _batchio.read_chunks(root_fd, [(job[0].encode(), *job[1:]) for job in jobs], _CRC, direct, threads,
                                 *staging)]
     _note([r.err for r in out])
+    return out
+
+
+def completions() -> Any:
+    """A queue of reads that finish on threads of their own (``read_later``) and are collected
+    without waiting (``collect``): ``_batchio.Completions``. Made by ``PageTransfer`` for its
+    asynchronous loads, where ``available``."""
+    return _batchio.Completions()
+
+
+def read_later(queue: Any, root_fd: int, jobs: Sequence[tuple], direct: bool, threads: int, staging: Piece,
+               nice: int, tag: Any) -> None:
+    """``read_chunks`` started on ``threads`` threads of its own, niced by ``nice``, returning at
+    once: its results come back with ``tag`` from ``collect(queue)`` once every job finished.
+    The jobs' memory (pieces, outs, ``staging``) must stay untouched until then. Called by
+    ``PosixEngine.read_chunks_later``."""
+    queue.read_later(root_fd, [(job[0].encode(), *job[1:]) for job in jobs], _CRC, direct, threads, *staging, nice, tag)
+
+
+def collect(queue: Any) -> list[tuple[Any, list[ReadResult]]]:
+    """``(tag, results)`` of every ``read_later`` of ``queue`` finished since the last collect
+    (results as ``read_chunks`` gives them), without waiting for the others."""
+    out = [(tag, [ReadResult(err, crc, verified == 1) for err, crc, verified in results])
+           for tag, results in queue.collect()]
+    for _, results in out:
+        _note([r.err for r in results])
     return out
 
 

@@ -38,7 +38,7 @@ import queue
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -108,13 +108,41 @@ class PosixEngine(IoEngine):
         with self._batch_staging(batchio.chunk_sizes(jobs, 3), threads) as staging:
             return batchio.write_chunks(root_fd, jobs, mode, chmod, self.fsync, True, threads, staging, **dirs)
 
+    def read_chunks_later(self, completions: Any, root_fd: int, jobs: Sequence[tuple], threads: int, nice: int,
+                          tag: Any) -> None:
+        buf, need = self._take_staging(batchio.chunk_sizes(jobs, 1), threads) if self.direct_reads else (None, 0)
+        try:
+            batchio.read_later(completions, root_fd, jobs, self.direct_reads, threads,
+                               (0, 0) if buf is None else (buf.data_ptr(), need), nice, (tag, buf))
+        except BaseException:
+            if buf is not None:
+                self._batch_buffers.put(buf)
+            raise
+
+    def collect_reads(self, completions: Any) -> list[tuple[Any, list[batchio.ReadResult]]]:
+        out = []
+        for (tag, buf), results in batchio.collect(completions):
+            if buf is not None:
+                self._batch_buffers.put(buf)
+            out.append((tag, results))
+        return out
+
     @contextlib.contextmanager
     def _batch_staging(self, chunk_sizes: Sequence[int], threads: int) -> Iterator[batchio.Piece]:
         """A staging buffer (huge pages, or pinned under CUDA) of what a native call moving
-        chunks of these sizes on ``threads`` threads stages in, for the call: taken from this engine's pool of them and
-        put back after, so buffers are reused across calls (no call faults in fresh memory, no
-        O_DIRECT request is cut at 4 KiB pages) and there are only as many as calls ever ran at
-        once, whichever threads made them."""
+        chunks of these sizes on ``threads`` threads stages in, for the call (``_take_staging``)."""
+        buf, need = self._take_staging(chunk_sizes, threads)
+        try:
+            yield buf.data_ptr(), need
+        finally:
+            self._batch_buffers.put(buf)
+
+    def _take_staging(self, chunk_sizes: Sequence[int], threads: int) -> tuple[torch.Tensor, int]:
+        """A staging buffer for a native call moving chunks of these sizes on ``threads`` threads,
+        and the bytes of it the call uses: taken from this engine's pool of them, which the caller
+        puts it back into once the call finished, so buffers are reused across calls (no call
+        faults in fresh memory, no O_DIRECT request is cut at 4 KiB pages) and there are only as
+        many as calls ever ran at once, whichever threads made them."""
         need = batchio.staging_need(chunk_sizes, threads)
         try:
             buf = self._batch_buffers.get_nowait()
@@ -122,10 +150,7 @@ class PosixEngine(IoEngine):
             buf = None
         if buf is None or buf.numel() < need:
             buf = _staging_buffer(need)
-        try:
-            yield buf.data_ptr(), need
-        finally:
-            self._batch_buffers.put(buf)
+        return buf, need
 
     def read_now(self, path: str, segments: Sequence[Segment]) -> int:
         fd = open_data_file(path, write=False)

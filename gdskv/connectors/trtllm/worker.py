@@ -38,9 +38,9 @@ class GdsKvWorker(KvCacheConnectorWorker):
     computed (a page holds every layer of its group), ``wait_for_save`` makes sure every save is
     posted. No save blocks the step: saves finish in the background and are reported by
     ``get_finished``. Loads the scheduler made asynchronous (``StepMetadata.async_loads``) are
-    posted a slice per step (``gdskv.paced``) from the ``get_finished`` after the forward pass
-    of the step that admitted the request (that step already carries its lookup), never awaited
-    in a step: ``get_finished`` reports the request loaded once every page landed, and
+    posted a slice per step (``gdskv.paced``) from the step after the one that admitted the
+    request (which carries its lookup) and finished by ``service.reap`` at each step's start and
+    end, never awaited: ``get_finished`` reports the request loaded once every page landed, and
     ``get_load_failures`` lists it if one did not.
 
     Device ordering (``gdskv.streams``): a readiness recorded on the engine's stream when the slots
@@ -59,8 +59,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
         self._cfg = config if config is not None else load_config()
         self._deployment = Deployment.from_llm_args(llm_args, self._cfg)
         self._peers = peers(self._cfg.store_path, self._deployment.model, self._deployment.tp_size)
-        self.service: Optional[KvService] = None
-        """This rank's service, built at registration."""
+        self.service: Optional[KvService] = None  # this rank's, built at registration
         self._layout: Any = None
         self._group_layers: dict[int, frozenset[int]] = {}
         self._group_of_layer: dict[int, int] = {}
@@ -175,11 +174,16 @@ class GdsKvWorker(KvCacheConnectorWorker):
             for (rid, op), fut in zip(now, futures):
                 self._step_loads[gid].append((rid, fut))
                 self._loads.setdefault(rid, []).append(fut)
+        self._pump()
+        for rid, rid_ops in paced.items():  # a slice per step from the next (this one did the lookup): gdskv.paced
+            self._async_loads[rid] = PacedLoad(rid_ops, partial(post_pages, self.service, self._layout, ready=ready),
+                                               start_at=2)
+
+    def _pump(self) -> None:
+        """Finish the asynchronous loads whose pages landed, then post their next slices."""
+        self.service.reap()
         for load in self._async_loads.values():
             load.pump()
-        for rid, rid_ops in paced.items():  # outside the batch: posted a slice per step (gdskv.paced)
-            self._async_loads[rid] = PacedLoad(rid_ops, partial(post_pages, self.service, self._layout, ready=ready),
-                                               start_now=False)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Before layer ``layer_idx`` computes: wait for the loads into its group's pages."""
@@ -217,8 +221,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
                 self._async_loads[int(rid)].cancel()
         for rid in started_loading_req_ids:
             self._awaiting_load[int(rid)] = None
-        for load in self._async_loads.values():
-            load.pump()
+        self._pump()
         settle(self._saves, "save")
         settle(self._loads, None)  # logged when awaited, in _finish_loads
         for rid, bad, total in settle_loads(self._async_loads):
@@ -235,11 +238,10 @@ class GdsKvWorker(KvCacheConnectorWorker):
         return saved, loaded
 
     def get_load_failures(self) -> list[int]:
-        """Reference-engine extension (TensorRT-LLM has no such hook): request ids whose loaded KV
-        failed verification (missing or corrupt chunk) since the last call (at most since this
-        step's ``start_load_kv``); the engine recomputes them. Called by the reference engine
-        after ``wait_for_save`` (loads in the forward pass) and after ``get_finished``
-        (asynchronous loads)."""
+        """Reference-engine extension (TensorRT-LLM has no such hook): request ids whose loaded KV failed
+        verification (missing or corrupt chunk) since the last call (at most since this step's
+        ``start_load_kv``), for the engine to recompute; called after ``wait_for_save`` (loads in the
+        forward pass) and after ``get_finished`` (asynchronous loads)."""
         failed = list(self._load_failures)
         self._load_failures.clear()
         return failed
@@ -257,10 +259,8 @@ class GdsKvWorker(KvCacheConnectorWorker):
             status = fut.result() if exc is None else None
             if status is LoadStatus.LOADED:
                 continue
-            if exc is not None:
-                log.warning("gdskv: a load failed: %s", exc)
-            else:
-                log.warning("gdskv: a load came back %s; the request's KV is recomputed where the engine can", status.value)
+            log.warning("gdskv: a load %s; the request's KV is recomputed where the engine can",
+                        f"failed: {exc}" if exc is not None else f"came back {status.value}")
             self._load_failures[rid] = None
             if self._step_meta is not None:
                 self._peers.load_failed(self._step_meta.step, rid)

@@ -90,6 +90,7 @@ class WorkerSide:
         """``(finished_sending, finished_recving)``: held requests (among ids vLLM reported
         finished) whose saves are all done, and requests whose loads are all done (their failed
         blocks are in ``load_errors`` by then)."""
+        self.service.reap()
         for rid in finished_req_ids:
             rid = str(rid)
             if rid in self._held:

@@ -1,0 +1,157 @@
+"""Asynchronous loads finished by the serving loop: ``PageTransfer.load_pages(background=True)``
+on the native path starts the reads on native threads (``_batchio.Completions``) and returns;
+``reap`` (the serving loop, between steps) verifies, counts and resolves them on the caller's
+thread, so no Python thread needs the interpreter while pages move; loads nobody reaps are
+finished by the reaper thread ``REAP_GRACE`` later. Real chunk files, real threads."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdskv.io import batch as batchio
+from gdskv.io.posix import PosixEngine
+from gdskv.keys import chain_keys
+from gdskv.store import GroupSpec, NamespaceSpec, PageStore
+from gdskv.transfer import REAP_GRACE, LoadStatus, PageTransfer, SaveStatus
+
+KEYS = chain_keys(list(range(16 * 40)), 16, "later")
+PAGE = 3 * 4096 + 64
+
+pytestmark = pytest.mark.skipif(not batchio.available(), reason="the native batch path (gdskv.io._batchio) is not built")
+
+
+def make(store_path: str, nice: int = 5) -> PageTransfer:
+    ns = PageStore.open(store_path).namespace(NamespaceSpec("later/m", "float16", 16, (GroupSpec(0, PAGE, (0,)),)))
+    return PageTransfer(ns, PosixEngine(threads=1, o_direct=True), threads=4, background_nice=nice)
+
+
+def saved(x: PageTransfer, n: int, seed: int = 1) -> torch.Tensor:
+    src = torch.randint(0, 256, (n, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    assert [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(n)])] == [SaveStatus.PUBLISHED] * n
+    return src
+
+
+def wait_reaping(x: PageTransfer, futures: list, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(f.done() for f in futures):
+        assert time.monotonic() < deadline, "the loads never finished"
+        x.reap()
+        time.sleep(0.001)
+
+
+def test_a_background_load_is_finished_on_the_thread_that_reaps_it(store_path):
+    x = make(store_path)
+    src = saved(x, 24)
+    dst = torch.zeros(24, PAGE, dtype=torch.uint8)
+    threads: set[int] = set()
+
+    def on_done(done, results, skipped):
+        threads.add(threading.get_ident())
+
+    futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(24)], on_done=on_done, background=True)
+    for f in futures:
+        f.add_done_callback(lambda _: threads.add(threading.get_ident()))
+    wait_reaping(x, futures)
+    assert [f.result() for f in futures] == [LoadStatus.LOADED] * 24
+    assert torch.equal(dst, src)
+    assert threads == {threading.get_ident()}  # bookkeeping and callbacks on the reaping thread only
+    assert x.ns.counters.snapshot()["loads_hit"] == 24
+    x.close()
+
+
+def test_a_background_load_nobody_reaps_finishes_by_itself_after_the_grace(store_path):
+    x = make(store_path)
+    src = saved(x, 8)
+    dst = torch.zeros(8, PAGE, dtype=torch.uint8)
+    t0 = time.monotonic()
+    futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(8)], background=True)
+    assert [f.result(timeout=10) for f in futures] == [LoadStatus.LOADED] * 8
+    assert time.monotonic() - t0 >= REAP_GRACE  # left to the serving loop that long first
+    assert torch.equal(dst, src)
+    x.close()
+
+
+def test_corrupt_and_missing_chunks_of_a_background_load_are_misses_of_their_own_pages(store_path):
+    x = make(store_path)
+    src = saved(x, 6)
+    path = Path(x.ns.chunk_path(0, KEYS[2]))
+    raw = bytearray(path.read_bytes())
+    raw[5] ^= 1
+    path.write_bytes(bytes(raw))
+    dst = torch.zeros(8, PAGE, dtype=torch.uint8)
+    futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(8)], background=True)
+    wait_reaping(x, futures)
+    assert [f.result() for f in futures] == [LoadStatus.LOADED] * 2 + [LoadStatus.CORRUPT] + [LoadStatus.LOADED] * 3 \
+        + [LoadStatus.MISSING] * 2
+    for i in (0, 1, 3, 4, 5):
+        assert torch.equal(dst[i], src[i])
+    assert not path.exists()  # quarantined
+    x.close()
+
+
+def test_close_waits_for_background_loads_in_flight_and_finishes_them(store_path):
+    x = make(store_path)
+    src = saved(x, 32)
+    dst = torch.zeros(32, PAGE, dtype=torch.uint8)
+    futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(32)], background=True)
+    x.close()
+    assert all(f.done() for f in futures)
+    assert [f.result() for f in futures] == [LoadStatus.LOADED] * 32
+    assert torch.equal(dst, src)
+    assert not any(t.name == "gdskv-xfer-reap" and t.is_alive() for t in threading.enumerate())
+
+
+def test_completions_hand_each_call_back_once_with_its_tag_and_wake_for_the_overdue(store_path):
+    x = make(store_path)
+    src = saved(x, 4)
+    dst = torch.zeros(4, PAGE, dtype=torch.uint8)
+    ns, engine = x.ns, x.engine
+    queue = batchio.completions()
+    trailers = [bytearray(128) for _ in range(4)]
+    jobs = [(ns.chunk_relpath(0, KEYS[i]), batchio.pieces_of([dst[i]], trailers[i])) for i in range(4)]
+    engine.read_chunks_later(queue, ns.store.fs.fd, jobs[:2], 2, 0, "first")
+    engine.read_chunks_later(queue, ns.store.fs.fd, jobs[2:], 1, 0, "second")
+    got: dict = {}
+    deadline = time.monotonic() + 10
+    while len(got) < 2 and time.monotonic() < deadline:
+        for tag, results in engine.collect_reads(queue):
+            assert tag not in got
+            got[tag] = results
+    assert sorted(got) == ["first", "second"]
+    assert [r.err for r in got["first"] + got["second"]] == [0] * 4
+    assert torch.equal(dst, src) and engine.collect_reads(queue) == []
+    assert queue.running() == 0
+    assert not queue.wait_overdue(0.01, 0.05)  # nothing uncollected: the timeout
+    engine.read_chunks_later(queue, ns.store.fs.fd, jobs[:1], 1, 0, "late")
+    t0 = time.monotonic()
+    assert queue.wait_overdue(0.05, 10.0)  # finished and left uncollected for the grace
+    assert time.monotonic() - t0 >= 0.05
+    assert [tag for tag, _ in engine.collect_reads(queue)] == ["late"]
+    waiter = threading.Thread(target=lambda: got.update(closed=queue.wait_overdue(0.01, 30.0)))
+    waiter.start()
+    queue.close()
+    waiter.join(5)
+    assert not waiter.is_alive() and got["closed"] is False
+    x.close()
+
+
+def test_the_native_threads_of_a_background_load_run_niced(store_path, monkeypatch):
+    x = make(store_path, nice=7)
+    saved(x, 2)
+    dst = torch.zeros(2, PAGE, dtype=torch.uint8)
+    seen: list[int] = []
+    real = batchio.read_later
+
+    def spy(queue, root_fd, jobs, direct, threads, staging, nice, tag):
+        seen.append(nice)
+        return real(queue, root_fd, jobs, direct, threads, staging, nice, tag)
+
+    monkeypatch.setattr(batchio, "read_later", spy)
+    futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(2)], background=True)
+    wait_reaping(x, futures)
+    assert seen == [7]
+    x.close()
