@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import CancelledError, Future, TimeoutError
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 _OVER = (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED)
 _CANCELLED = (CANCELLED, CANCELLED_AND_NOTIFIED)
@@ -28,8 +28,9 @@ class PageFuture(Future):
     condition's ``notify_all`` wakes waiters of other pages too, so every wait here loops until
     this future is over (the base class would take such a wake-up for a timeout)."""
 
-    def __init__(self, condition: threading.Condition) -> None:  # noqa: D107 - no super(): no Condition of its own
+    def __init__(self, condition: threading.Condition, hurry: Optional[Callable[[], ContextManager]] = None) -> None:  # noqa: D107
         self._condition = condition
+        self._hurry = hurry
         self._state = PENDING
         self._result: Any = None
         self._exception: Optional[BaseException] = None
@@ -57,7 +58,15 @@ class PageFuture(Future):
         return self._exception
 
     def _wait(self, timeout: Optional[float]) -> None:
-        """Until finished (``CancelledError`` if cancelled, ``TimeoutError`` after ``timeout``)."""
+        """Until finished (``CancelledError`` if cancelled, ``TimeoutError`` after ``timeout``),
+        within ``hurry()`` where the batch has one (whoever resolves it then does so at once)."""
+        if self._hurry is not None and self._state not in _OVER:
+            with self._hurry():
+                self._wait_over(timeout)
+        else:
+            self._wait_over(timeout)
+
+    def _wait_over(self, timeout: Optional[float]) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._condition:
             while self._state not in _OVER:
@@ -69,10 +78,10 @@ class PageFuture(Future):
                 raise CancelledError()
 
 
-def batch_futures(n: int) -> list[PageFuture]:
-    """``n`` pending futures sharing one condition."""
+def batch_futures(n: int, hurry: Optional[Callable[[], ContextManager]] = None) -> list[PageFuture]:
+    """``n`` pending futures sharing one condition (and ``hurry``: see ``PageFuture._wait``)."""
     condition = threading.Condition()
-    return [PageFuture(condition) for _ in range(n)]
+    return [PageFuture(condition, hurry) for _ in range(n)]
 
 
 def resolve_many(futures: Sequence[PageFuture], results: Optional[Sequence[Any]], error: Optional[BaseException]) -> None:

@@ -14,6 +14,7 @@ Called by the connector workers (TensorRT-LLM: ``start_load_kv`` / ``save_kv_lay
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import itertools
@@ -22,7 +23,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -107,7 +108,7 @@ class PageTransfer:
         self._warn_lock = threading.Lock()
         self._tmp_seq = itertools.count()  # temp names unique within the process, no syscall
         self._background_nice = background_nice
-        self._completions: Optional[Any] = None  # asynchronous loads' native reads (``_load_later``)
+        self._completions: Optional[Any] = None  # native transfers finished by ``reap`` (``_later``)
         self._reaper: Optional[threading.Thread] = None
         self._later_lock = threading.Lock()
         self._closed = False
@@ -128,9 +129,13 @@ class PageTransfer:
                    ) -> list["Future[SaveStatus]"]:
         """``save_page`` for a step's pages at once (``(key, parent, segments)`` each, one
         ``ready`` for all): one future per page, in order, with at most ``depth`` pages in flight
-        (see ``_batch``, and there for ``on_done``), on the background threads."""
-        return self._batch(self._save, self._save_slice, group,
-                           [(key, parent, list(segs)) for key, parent, segs in items], ready, on_done, self._background)
+        (see ``_batch``, and there for ``on_done``), on the background threads; without a
+        ``ready`` on the native path, started on native threads and finished by ``reap`` (see
+        ``_later``), which seal the pages too."""
+        jobs = [(key, parent, list(segs)) for key, parent, segs in items]
+        if ready is None and jobs and self._later_ready():
+            return self._later(group, jobs, on_done, save=True)
+        return self._batch(self._save, self._save_slice, group, jobs, ready, on_done, self._background)
 
     def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor], ready: Optional[Any] = None) -> SaveStatus:
         if ready is not None:
@@ -227,55 +232,94 @@ class PageTransfer:
         sealing in Python, then one call writes and publishes every chunk with the GIL released,
         on ``threads`` native threads. A page the batch path cannot take, or that fails in it,
         goes through ``_save``."""
+        out: list[Optional[SaveStatus]] = [None] * len(jobs)
+        native, work, rest, trailers = self._prepare_saves(group, jobs, out, seal_here=True)
+        for i in rest:
+            out[i] = self._save(group, *jobs[i])
+        if work:
+            errs = self.engine.write_chunks_now(self.ns.store.fs.fd, work, threads, self.ns.store.fs.dir_mode)
+            del trailers  # the pieces pointed into them until here
+            for i in self._settle_saves(group, jobs, native, errs, out):
+                out[i] = self._save_failed(group, *jobs[i])
+        self._maybe_flush()
+        return out  # type: ignore[return-value]
+
+    def _prepare_saves(self, group: int, jobs: Sequence[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
+                       out: list[Optional[SaveStatus]], seal_here: bool
+                       ) -> tuple[list[int], list[tuple], list[int], list[bytearray]]:
+        """Sort a slice of saves: ``out[i]`` set for pages already stored (EXISTS) or refused by
+        the budget (DROPPED); the native write jobs of the rest, sealed here or, without
+        ``seal_here``, packed with a zero payload checksum for the native side to seal
+        (``gdskv.io.batch.write_later``); the indices of the native jobs and of the pages the
+        batch path cannot take (for ``_save``); the trailers the jobs' last pieces point into,
+        which must outlive the writes."""
         ns = self.ns
         expected = ns.spec.group(group).bytes_per_page
         present = ns.contains_many(group, [key for key, _, _ in jobs])
         budget = ns.store.budget
-        engine = self.engine
-        out: list[Optional[SaveStatus]] = [None] * len(jobs)
         native: list[int] = []
-        work: list[tuple[str, str, str, list[batchio.Piece]]] = []
-        trailers: list[bytearray] = []  # alive until the call returns: the pieces point into them
+        work: list[tuple] = []
+        rest: list[int] = []
+        trailers: list[bytearray] = []
         for i, (key, parent, segments) in enumerate(jobs):
             if sum(t.numel() * t.element_size() for t in segments) != expected:
-                out[i] = self._save(group, key, parent, segments)  # raises the size error per page
+                rest.append(i)  # ``_save`` raises the size error per page
                 continue
             if present[i]:
                 ns.counters.add("saves_exists")
                 out[i] = SaveStatus.EXISTS
                 continue
             if not batchio.host_pages(segments) or self._checksum not in (None, fmt.CHECKSUM_CRC32C):
-                out[i] = self._save(group, key, parent, segments)
+                rest.append(i)
                 continue
             if budget is not None and not budget.admit(ns, group, expected + fmt.TRAILER_BYTES, parent):
                 ns.counters.add("saves_dropped")
                 ns.counters.add("saves_dropped_budget")
                 out[i] = SaveStatus.DROPPED
                 continue
-            trailer = bytearray(checksum.seal(segments, group=group, store_key=ns.store_key(group, key), block_key=key,
-                                              parent_key=parent, algo=fmt.CHECKSUM_CRC32C, auth_key=self._auth_key))
+            skey = ns.store_key(group, key)
+            if seal_here or self._auth_key is not None:
+                trailer = bytearray(checksum.seal(segments, group=group, store_key=skey, block_key=key, parent_key=parent,
+                                                  algo=fmt.CHECKSUM_CRC32C, auth_key=self._auth_key))
+            else:
+                trailer = bytearray(fmt.pack(fmt.Trailer(group, expected, 0, skey, key, parent, fmt.CHECKSUM_CRC32C)))
             trailers.append(trailer)
             rel_dir, name = ns.chunk_location(group, key)
             tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.{next(self._tmp_seq):x}"
-            work.append((rel_dir, tmp, name, batchio.pieces_of(segments, trailer)))
+            job = (rel_dir, tmp, name, batchio.pieces_of(segments, trailer))
+            work.append(job if seal_here or self._auth_key is not None else (*job, True))
             native.append(i)
-        if work:
-            errs = engine.write_chunks_now(ns.store.fs.fd, work, threads, ns.store.fs.dir_mode)
-            published = 0
-            for i, err in zip(native, errs):
-                key, parent, segments = jobs[i]
-                if err:  # a full disk, something in the way: the per-page path sorts it out
-                    out[i] = self._save_admitted(group, key, parent, segments, ns.chunk_path(group, key), expected)
-                    continue
-                published += 1
-                out[i] = SaveStatus.PUBLISHED
-                if budget is not None:
-                    budget.on_published(ns, group, key, parent, expected + fmt.TRAILER_BYTES)
-            if published:
-                ns.counters.add("saves_published", published)
-                ns.counters.add("bytes_written", published * expected)
-        self._maybe_flush()
-        return out  # type: ignore[return-value]
+        return native, work, rest, trailers
+
+    def _settle_saves(self, group: int, jobs: Sequence[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
+                      native: list[int], errs: Sequence[int], out: list[Optional[SaveStatus]]) -> list[int]:
+        """After the native writes of ``_prepare_saves``: ``out[i]`` PUBLISHED for each page whose
+        chunk is in place, counted and told to the budget; the indices of those that failed there
+        (a full disk, something in the way: for ``_save_failed``)."""
+        ns = self.ns
+        budget = ns.store.budget
+        expected = ns.spec.group(group).bytes_per_page
+        failed: list[int] = []
+        published = 0
+        for i, err in zip(native, errs):
+            if err:
+                failed.append(i)
+                continue
+            key, parent, _ = jobs[i]
+            published += 1
+            out[i] = SaveStatus.PUBLISHED
+            if budget is not None:
+                budget.on_published(ns, group, key, parent, expected + fmt.TRAILER_BYTES)
+        if published:
+            ns.counters.add("saves_published", published)
+            ns.counters.add("bytes_written", published * expected)
+        return failed
+
+    def _save_failed(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor]) -> SaveStatus:
+        """A page the budget admitted whose native write failed, on the per-page path, which
+        classifies the failure (and retries what was in the way)."""
+        return self._save_admitted(group, key, parent, segments, self.ns.chunk_path(group, key),
+                                   self.ns.spec.group(group).bytes_per_page)
 
     def _staged(self, segments: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
         """Host views, one per segment, of this thread's staging buffer when the page is to be
@@ -333,7 +377,7 @@ class PageTransfer:
         on the background threads."""
         jobs = [(item[0], list(item[1]), item[2] if len(item) > 2 else None) for item in items]
         if background and ready is None and jobs and self._later_ready():
-            return self._load_later(group, jobs, on_done)
+            return self._later(group, jobs, on_done, save=False)
         return self._batch(self._load, self._load_slice, group, jobs, ready, on_done,
                            self._background if background else self._pool)
 
@@ -528,9 +572,9 @@ class PageTransfer:
             ns.counters.add("bytes_read", nbytes_loaded)
         return failed
 
-    # --- asynchronous loads collected by the serving loop ---------------------------------------
+    # --- transfers finished by the serving loop -----------------------------------------------
     def _later_ready(self) -> bool:
-        """Whether background loads can go through ``_load_later``."""
+        """Whether transfers can go through ``_later`` (the native path, not closed)."""
         if self._completions is None and self._batchable():
             with self._later_lock:
                 if self._completions is None and not self._closed:
@@ -539,67 +583,107 @@ class PageTransfer:
                     self._reaper.start()
         return self._completions is not None and self._batchable()
 
-    def _load_later(self, group: int, jobs: list[tuple], on_done: Optional[DoneFn]) -> list[Future]:
-        """An asynchronous load's pages started on native threads (niced by ``background_nice``)
-        and returned from at once: the pages' futures resolve, and ``on_done`` runs, in the
-        ``reap`` that collects them, on the serving loop's thread between steps, so no Python
-        thread competes with it for the interpreter while the pages move. Pages the batch path
-        cannot take, and pages that fail in it, are redone on the background pool."""
-        futures = batch_futures(len(jobs))
+    def _later(self, group: int, jobs: list[tuple], on_done: Optional[DoneFn], save: bool) -> list[Future]:
+        """Saves, or an asynchronous load's pages, started on native threads (niced by
+        ``background_nice``) and returned from at once: the pages' futures resolve, and
+        ``on_done`` runs, in the ``reap`` that collects them, on the serving loop's thread
+        between steps, so no Python thread competes with it for the interpreter while the pages
+        move (a saved page is sealed natively too). Pages the batch path cannot take, and pages
+        that fail in it, are redone on the background pool. A caller blocked on one of the
+        futures hurries the reaper (``_hurried``)."""
+        futures = batch_futures(len(jobs), self._hurried)
         for fut in futures:
             fut.set_running_or_notify_cancel()
-        reads, rest = self._prepare_reads(group, jobs)
-        if reads.work:
-            later = _Later(group, jobs, reads, futures, on_done)
+        out: list[Any] = [None] * len(jobs)
+        if save:
+            native, work, rest, trailers = self._prepare_saves(group, jobs, out, seal_here=False)
+            reads = None
+        else:
+            reads, rest = self._prepare_reads(group, jobs)
+            native, work, trailers = reads.native, reads.work, reads.trailers
+        if work:
+            later = _Later(group, jobs, native, reads, trailers, futures, on_done)
+            fd, threads = self.ns.store.fs.fd, max(1, self.depth // NATIVE_CALLERS)
             try:
-                self.engine.read_chunks_later(self._completions, self.ns.store.fs.fd, reads.work,
-                                              max(1, self.depth // NATIVE_CALLERS), self._background_nice, later)
+                if save:
+                    self.engine.write_chunks_later(self._completions, fd, work, threads, self.ns.store.fs.dir_mode,
+                                                   self._background_nice, later)
+                else:
+                    self.engine.read_chunks_later(self._completions, fd, work, threads, self._background_nice, later)
             except Exception as e:  # never into the serving loop: these pages go the per-page way
-                log.warning("gdskv: an asynchronous load could not start natively (%d pages redone): %s",
-                            len(reads.work), e)
-                self._unpin(reads)
-                rest += reads.native
+                log.warning("gdskv: %d page %s could not start natively (redone one by one): %s", len(work),
+                            "saves" if save else "loads", e)
+                if reads is not None:
+                    self._unpin(reads)
+                rest += native
+        now = [i for i, status in enumerate(out) if status is not None]
+        if now:  # saves already stored or refused by the budget
+            _bookkeep(on_done, now, [out[i] for i in now])
+            resolve_many([futures[i] for i in now], [out[i] for i in now], None)
         if rest:
-            self._background.submit(self._redo, group, jobs, sorted(rest), futures, on_done)
+            self._background.submit(self._redo, group, jobs, sorted(rest), futures, on_done, save)
         return futures
 
     def reap(self) -> None:
-        """Finish the asynchronous loads whose reads completed since the last call: verify and
+        """Finish the transfers of ``_later`` that completed since the last call: verify and
         count their pages, run their ``on_done`` and resolve their futures (and so their
         callbacks) on this thread. Called by the serving loop between steps (``KvService.reap``)
-        and by this transfer's reaper thread for loads the serving loop left uncollected for
-        ``REAP_GRACE`` seconds (it does not call, or its steps are long)."""
+        and by this transfer's reaper thread for what the serving loop left uncollected for
+        ``REAP_GRACE`` seconds (it does not call, or its steps are long) or someone waits for."""
         if self._completions is None:
             return
-        for later, results in self.engine.collect_reads(self._completions):
-            out: list[Optional[LoadStatus]] = [None] * len(later.jobs)
+        for later, results in self.engine.collect_done(self._completions):
+            out: list[Any] = [None] * len(later.jobs)
             try:
-                failed = self._settle_reads(later.group, later.jobs, later.reads, results, out)
+                if later.reads is None:
+                    failed = self._settle_saves(later.group, later.jobs, later.native, results, out)
+                else:
+                    failed = self._settle_reads(later.group, later.jobs, later.reads, results, out)
             except Exception:  # never lose the pages' futures: they are redone one by one
-                log.exception("gdskv: settling an asynchronous load failed")
-                failed = later.reads.native
-            done = [i for i in later.reads.native if out[i] is not None]
+                log.exception("gdskv: settling transfers finished natively failed")
+                failed = [i for i in later.native if out[i] is None]
+            done = [i for i in later.native if out[i] is not None]
             _bookkeep(later.on_done, done, [out[i] for i in done])
             resolve_many([later.futures[i] for i in done], [out[i] for i in done], None)
             if failed:
-                self._background.submit(self._redo, later.group, later.jobs, failed, later.futures, later.on_done)
+                self._background.submit(self._redo, later.group, later.jobs, failed, later.futures, later.on_done,
+                                        later.reads is None, True)
         self._maybe_flush()
 
+    @contextlib.contextmanager
+    def _hurried(self) -> Iterator[None]:
+        """While a caller blocks on a future of ``_later``: the reaper thread collects every
+        finished transfer at once rather than leaving it to the serving loop."""
+        self._completions.hurry(1)
+        try:
+            yield
+        finally:
+            self._completions.hurry(-1)
+
     def _reap_overdue(self) -> None:
-        """The reaper thread: waits without the interpreter until a finished asynchronous load
-        has gone uncollected for ``REAP_GRACE`` seconds, then reaps; exits at ``close``."""
+        """The reaper thread: waits without the interpreter until a finished transfer has gone
+        uncollected for ``REAP_GRACE`` seconds (or someone waits for one), then reaps; exits at
+        ``close``."""
         completions = self._completions
         while not self._closed:
             if completions.wait_overdue(REAP_GRACE, 3600.0):
                 self.reap()
 
     def _redo(self, group: int, jobs: Sequence[tuple], idx: list[int], futures: list[Future],
-              on_done: Optional[DoneFn]) -> None:
-        """Pages of an asynchronous load on the per-page path (the background pool), which
-        classifies and counts each."""
-        results = [self._load(group, *jobs[i]) for i in idx]
+              on_done: Optional[DoneFn], save: bool, admitted: bool = False) -> None:
+        """Pages of ``_later`` on the per-page path (the background pool), which classifies and
+        counts each; ``admitted``: saves whose native write failed after the budget admitted them."""
+        if save:
+            fn = self._save_failed if admitted else self._save
+        else:
+            fn = self._load
+        error: Optional[BaseException] = None
+        try:
+            results: Optional[list[Any]] = [fn(group, *jobs[i]) for i in idx]
+        except BaseException as e:  # noqa: BLE001 - delivered through the pages' futures, as ``_batch`` does
+            results, error = None, e
         _bookkeep(on_done, idx, results)
-        resolve_many([futures[i] for i in idx], results, None)
+        resolve_many([futures[i] for i in idx], results, error)
 
     def _read_and_verify(self, group: int, key: bytes, nbytes: int, segs: list[Segment], trailer: bytearray,
                          segments: list[torch.Tensor]) -> Optional[str]:
@@ -700,12 +784,14 @@ class _Reads:
 
 
 class _Later(NamedTuple):
-    """An asynchronous load's native reads in flight (``PageTransfer._load_later``), handed back
-    by ``collect_reads``."""
+    """Native transfers in flight (``PageTransfer._later``), handed back by ``collect_done``:
+    the indices of the native jobs among ``jobs``; ``reads`` for loads, None for saves."""
 
     group: int
     jobs: list[tuple]
-    reads: _Reads
+    native: list[int]
+    reads: Optional[_Reads]
+    trailers: list[bytearray]  # the jobs' last pieces point into them
     futures: list[Future]
     on_done: Optional[DoneFn]
 

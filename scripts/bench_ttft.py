@@ -20,11 +20,14 @@ TTFT, per prompt length, in order, on one store:
 Every run must give the computed run's first token and logits bit for bit (else the bench fails).
 
 Decode: a batch of requests decodes on one engine with gdskv; rounds rotate between no saves and,
-per ``--save-rates``, a saver thread that saves fresh pages through the same ``KvService`` (its
-I/O threads, checksums, host tier write-through) at that rate for the whole round (up to
-``io_threads`` in flight; 0: as fast as they go), as the offload of other requests' KV would,
-keeping its last 2 GiB of chunks on disk and removing older ones as it goes (unbounded, rounds at
-disk speed once left 45 GB behind, the disk full, and the next section failed). A step counts as
+per ``--save-rates``, a saver that saves fresh pages through the same ``KvService`` (its I/O
+threads, checksums, host tier write-through) at that rate for the whole round (up to
+``SAVER_DEPTH`` in flight; 0: as fast as they go), posted from the serving loop at every step's
+start as a connector posts the offload of other requests' KV between forward passes (a saver
+thread of its own, blocking on each result, was itself a Python thread competing with the
+engine's), keeping its last 2 GiB of chunks on disk and removing older ones as it goes
+(unbounded, rounds at disk speed once left 45 GB behind, the disk full, and the next section
+failed). A step counts as
 a decode step when every request it schedules computes one token; its time runs from its
 ``build_connector_meta`` to the next one.
 
@@ -51,7 +54,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -82,17 +84,21 @@ SECTIONS = ("ttft", "decode", "loads", "max")
 
 class TimedScheduler(GdsKvScheduler):
     """gdskv's scheduler, noting when each step began (``build_connector_meta`` is called once per
-    step), the tokens it scheduled per request, and the service's transfers in flight then."""
+    step), the tokens it scheduled per request, and the service's transfers in flight then; with
+    a ``saver``, posting its saves there."""
 
     def __init__(self, llm_args: Any, config: GdsKvConfig) -> None:
         super().__init__(llm_args, config=config)
         self.steps: list[tuple[float, list[int], int]] = []
         self.worker: Optional[GdsKvWorker] = None
+        self.saver: Optional[Saver] = None
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         scheduled = [d.num_scheduled_tokens for d in scheduler_output.new_requests + scheduler_output.cached_requests]
         service = self.worker.service if self.worker is not None else None
         self.steps.append((time.perf_counter(), [n for n in scheduled if n], service.in_flight if service else 0))
+        if self.saver is not None:
+            self.saver.tick()
         return super().build_connector_meta(scheduler_output)
 
     def decode_steps(self) -> tuple[list[float], list[int]]:
@@ -106,53 +112,65 @@ class TimedScheduler(GdsKvScheduler):
         return out, flight
 
 
+SAVER_DEPTH = 64
+"""Saves the decode section's saver keeps in flight at most: it posts only between steps, and
+the steps here are long (100+ ms), so a few in flight would cap it far below its rate."""
 SAVER_KEEP_BYTES = 2 << 30
 """Bytes of the decode section saver's chunks kept on disk at most (see ``Saver``)."""
 
 
-class Saver(threading.Thread):
-    """Saves fresh pages through ``service`` until ``stop()``: ``rate`` bytes per second at most,
-    with up to ``depth`` saves in flight (``rate`` 0: as fast as they go). The chunks it published
-    beyond the last ``keep_bytes`` are removed as it goes (the oldest first, as a budget would
-    evict them), so a long round at disk speed cannot fill the disk."""
+class Saver:
+    """Saves fresh pages through ``service`` from the serving loop: at every step's start
+    (``TimedScheduler.build_connector_meta``) it takes the saves that finished and posts as
+    many new ones as ``rate`` bytes per second allows, with up to ``depth`` in flight (``rate``
+    0: as fast as they go), as a connector posts other requests' saves between forward passes;
+    the service finishes them there too (``KvService.reap``, from the worker's ``get_finished``).
+    The chunks it published beyond the last ``keep_bytes`` are removed as it goes (the oldest
+    first, as a budget would evict them), so a long round at disk speed cannot fill the disk."""
 
     def __init__(self, service: KvService, depth: int, rate: int, keep_bytes: int = SAVER_KEEP_BYTES) -> None:
-        super().__init__(name="bench-saver", daemon=True)
         self.service, self.depth, self.rate = service, depth, rate
-        self.page = torch.randint(0, 256, (service.bytes_per_page(service.group_ids[0]),), dtype=torch.uint8)
+        self.group = service.group_ids[0]
+        self.page = torch.randint(0, 256, (service.bytes_per_page(self.group),), dtype=torch.uint8)
         self.keep = max(1, keep_bytes // self.page.numel())
-        self.published = 0
-        self._stop_flag = threading.Event()
+        self.published = self.posted = 0
+        self.start_s = time.perf_counter()
+        self._inflight: deque = deque()
+        self._kept: deque = deque()
 
-    def run(self) -> None:
-        inflight: deque = deque()
-        kept: deque = deque()
-        group = self.service.group_ids[0]
-        start, posted = time.perf_counter(), 0
-        while not self._stop_flag.is_set() or inflight:
-            while not self._stop_flag.is_set() and len(inflight) < self.depth:
-                if self.rate and posted * self.page.numel() > self.rate * (time.perf_counter() - start):
-                    if not inflight:
-                        self._stop_flag.wait(0.002)
-                    break
-                key = os.urandom(32)
-                inflight.append((key, self.service.save(group, key, None, [self.page])))
-                posted += 1
-            if not inflight:
-                continue
-            key, fut = inflight.popleft()
-            if fut.result() is SaveStatus.PUBLISHED:
-                self.published += 1
-                kept.append(key)
-                while len(kept) > self.keep:
-                    try:
-                        os.unlink(self.service.namespace.chunk_path(group, kept.popleft()))
-                    except FileNotFoundError:
-                        pass
+    def start(self) -> None:
+        self.start_s = time.perf_counter()
+
+    def tick(self) -> None:
+        """One step's share: settle what finished, post what is due, forget old chunks."""
+        while self._inflight and self._inflight[0][1].done():
+            self._settle(*self._inflight.popleft())
+        n = self.depth - len(self._inflight)
+        if self.rate:
+            n = min(n, int(self.rate * (time.perf_counter() - self.start_s)) // self.page.numel() - self.posted)
+        if n > 0:
+            keys = [os.urandom(32) for _ in range(n)]
+            self._inflight.extend(zip(keys, self.service.save_many(self.group, [(k, None, [self.page]) for k in keys])))
+            self.posted += n
+        self._forget()
+
+    def _settle(self, key: bytes, fut: Any) -> None:
+        if fut.result() is SaveStatus.PUBLISHED:
+            self.published += 1
+            self._kept.append(key)
+
+    def _forget(self) -> None:
+        while len(self._kept) > self.keep:
+            try:
+                os.unlink(self.service.namespace.chunk_path(self.group, self._kept.popleft()))
+            except FileNotFoundError:
+                pass
 
     def stop(self) -> None:
-        self._stop_flag.set()
-        self.join()
+        """After the round: wait for the saves still in flight."""
+        while self._inflight:
+            self._settle(*self._inflight.popleft())
+        self._forget()
 
 
 # --- the TTFT and decode runs ----------------------------------------------------------------------
@@ -270,13 +288,15 @@ def decode_section(o: Options, store_path: str) -> list[dict]:
         reference = [r.tokens for r in stack.run(prompts, "bench-decode", o.decode)]  # computes, saves the prompts
         for i in range(o.rounds):
             for mode in modes[i % len(modes):] + modes[:i % len(modes)]:  # the order rotates between rounds
-                saver = Saver(stack.worker.service, cfg.io_threads, mode) if mode is not None else None
+                saver = Saver(stack.worker.service, SAVER_DEPTH, mode) if mode is not None else None
                 t0 = time.perf_counter()
                 if saver is not None:
                     saver.start()
+                stack.scheduler.saver = saver
                 try:
                     results = stack.run(prompts, "bench-decode", o.decode)
                 finally:
+                    stack.scheduler.saver = None
                     if saver is not None:
                         saver.stop()
                         published[mode] += saver.published

@@ -16,7 +16,8 @@ from gdskv.io import batch as batchio
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
-from gdskv.transfer import REAP_GRACE, LoadStatus, PageTransfer, SaveStatus
+from gdskv import transfer
+from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
 
 KEYS = chain_keys(list(range(16 * 40)), 16, "later")
 PAGE = 3 * 4096 + 64
@@ -31,7 +32,8 @@ def make(store_path: str, nice: int = 5) -> PageTransfer:
 
 def saved(x: PageTransfer, n: int, seed: int = 1) -> torch.Tensor:
     src = torch.randint(0, 256, (n, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-    assert [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(n)])] == [SaveStatus.PUBLISHED] * n
+    assert [f.result(timeout=30) for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(n)])] == \
+        [SaveStatus.PUBLISHED] * n
     return src
 
 
@@ -63,14 +65,28 @@ def test_a_background_load_is_finished_on_the_thread_that_reaps_it(store_path):
     x.close()
 
 
-def test_a_background_load_nobody_reaps_finishes_by_itself_after_the_grace(store_path):
+def test_a_background_load_nobody_reaps_finishes_by_itself_after_the_grace(store_path, monkeypatch):
+    monkeypatch.setattr(transfer, "REAP_GRACE", 0.3)
     x = make(store_path)
     src = saved(x, 8)
     dst = torch.zeros(8, PAGE, dtype=torch.uint8)
     t0 = time.monotonic()
     futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(8)], background=True)
-    assert [f.result(timeout=10) for f in futures] == [LoadStatus.LOADED] * 8
-    assert time.monotonic() - t0 >= REAP_GRACE  # left to the serving loop that long first
+    while not all(f.done() for f in futures):  # looked at, never reaped nor waited for
+        assert time.monotonic() - t0 < 10
+        time.sleep(0.005)
+    assert time.monotonic() - t0 >= 0.3  # left to the serving loop that long first
+    assert [f.result() for f in futures] == [LoadStatus.LOADED] * 8 and torch.equal(dst, src)
+    x.close()
+
+
+def test_a_caller_blocked_on_a_result_does_not_wait_out_the_grace(store_path, monkeypatch):
+    monkeypatch.setattr(transfer, "REAP_GRACE", 3600.0)
+    x = make(store_path)
+    src = saved(x, 8)  # the saves' results are waited for too
+    dst = torch.zeros(8, PAGE, dtype=torch.uint8)
+    futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(8)], background=True)
+    assert [f.result(timeout=30) for f in futures] == [LoadStatus.LOADED] * 8
     assert torch.equal(dst, src)
     x.close()
 
@@ -118,19 +134,19 @@ def test_completions_hand_each_call_back_once_with_its_tag_and_wake_for_the_over
     got: dict = {}
     deadline = time.monotonic() + 10
     while len(got) < 2 and time.monotonic() < deadline:
-        for tag, results in engine.collect_reads(queue):
+        for tag, results in engine.collect_done(queue):
             assert tag not in got
             got[tag] = results
     assert sorted(got) == ["first", "second"]
     assert [r.err for r in got["first"] + got["second"]] == [0] * 4
-    assert torch.equal(dst, src) and engine.collect_reads(queue) == []
+    assert torch.equal(dst, src) and engine.collect_done(queue) == []
     assert queue.running() == 0
     assert not queue.wait_overdue(0.01, 0.05)  # nothing uncollected: the timeout
     engine.read_chunks_later(queue, ns.store.fs.fd, jobs[:1], 1, 0, "late")
     t0 = time.monotonic()
     assert queue.wait_overdue(0.05, 10.0)  # finished and left uncollected for the grace
     assert time.monotonic() - t0 >= 0.05
-    assert [tag for tag, _ in engine.collect_reads(queue)] == ["late"]
+    assert [tag for tag, _ in engine.collect_done(queue)] == ["late"]
     waiter = threading.Thread(target=lambda: got.update(closed=queue.wait_overdue(0.01, 30.0)))
     waiter.start()
     queue.close()
@@ -154,4 +170,55 @@ def test_the_native_threads_of_a_background_load_run_niced(store_path, monkeypat
     futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(2)], background=True)
     wait_reaping(x, futures)
     assert seen == [7]
+    x.close()
+
+
+def test_saves_are_sealed_natively_exactly_as_python_seals_them_and_finished_by_the_reaping_thread(store_path):
+    from gdskv import checksum
+    from gdskv import format as fmt
+
+    x = make(store_path)
+    src = torch.randint(0, 256, (6, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    threads: set[int] = set()
+    futures = x.save_pages(0, [(KEYS[i], KEYS[i - 1] if i else None, [src[i]]) for i in range(6)],
+                           on_done=lambda done, results, skipped: threads.add(threading.get_ident()))
+    wait_reaping(x, futures)
+    assert [f.result() for f in futures] == [SaveStatus.PUBLISHED] * 6
+    assert threads == {threading.get_ident()}
+    for i in range(6):
+        raw = Path(x.ns.chunk_path(0, KEYS[i])).read_bytes()
+        assert raw[:PAGE] == bytes(src[i].numpy())
+        assert raw[PAGE:] == checksum.seal([src[i]], group=0, store_key=x.ns.store_key(0, KEYS[i]), block_key=KEYS[i],
+                                           parent_key=KEYS[i - 1] if i else None, algo=fmt.CHECKSUM_CRC32C)
+    again = x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(2)])
+    assert [f.result() for f in again] == [SaveStatus.EXISTS] * 2
+    x.close()
+
+
+def test_authenticated_saves_carry_their_mac_and_load_back(store_path):
+    ns = PageStore.open(store_path).namespace(NamespaceSpec("later/m", "float16", 16, (GroupSpec(0, PAGE, (0,)),)))
+    key = b"k" * 32
+    x = PageTransfer(ns, PosixEngine(threads=1, o_direct=True), threads=4, background_nice=5, auth_key=key)
+    src = torch.randint(0, 256, (4, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    assert [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(4)])] == \
+        [SaveStatus.PUBLISHED] * 4
+    dst = torch.zeros(4, PAGE, dtype=torch.uint8)
+    futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(4)], background=True)
+    assert [f.result() for f in futures] == [LoadStatus.LOADED] * 4 and torch.equal(dst, src)
+    x.close()
+    other = PageTransfer(ns, PosixEngine(threads=1, o_direct=True), threads=4, background_nice=5)  # no key: refused
+    futures = other.load_pages(0, [(KEYS[0], [dst[0]])], background=True)
+    assert futures[0].result() is LoadStatus.CORRUPT
+    other.close()
+
+
+def test_a_save_whose_native_write_fails_is_redone_and_what_was_in_the_way_quarantined(store_path):
+    x = make(store_path)
+    src = torch.randint(0, 256, (3, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    in_the_way = Path(x.ns.chunk_path(0, KEYS[1]))
+    in_the_way.mkdir(parents=True)
+    (in_the_way / "f").write_bytes(b"x")
+    futures = x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(3)])
+    assert [f.result() for f in futures] == [SaveStatus.PUBLISHED] * 3
+    assert in_the_way.is_file() and in_the_way.read_bytes()[:PAGE] == bytes(src[1].numpy())
     x.close()

@@ -314,7 +314,14 @@ def test_format_md_names_temp_files_as_the_code_does(tmp_path: Path, monkeypatch
         renames.extend((tmp, name) for _, tmp, name, _ in jobs)
         return real_batch(root_fd, jobs, *a, **k)
 
+    real_later = batchio.write_later
+
+    def later_spy(queue: Any, root_fd: int, jobs: Any, *a: Any, **k: Any) -> None:  # saves finished by reap
+        renames.extend((job[1], job[2]) for job in jobs)
+        real_later(queue, root_fd, jobs, *a, **k)
+
     monkeypatch.setattr(batchio, "write_chunks", batch_spy)
+    monkeypatch.setattr(batchio, "write_later", later_spy)
     fill(tmp_path / "store", chains=1, blocks=1)
     monkeypatch.undo()
     tmp, name = next((s, d) for s, d in renames if ".tmp." in s and d.isdigit())

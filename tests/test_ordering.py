@@ -347,6 +347,9 @@ class HeldEngine:
         assert self.go.wait(10)
         return self._inner.write_chunks_now(root_fd, jobs, threads, dir_mode)
 
+    def write_chunks_later(self, *args):  # returns at once, as the real one does; the writes start once let go
+        threading.Thread(target=lambda: self.go.wait(10) and self._inner.write_chunks_later(*args)).start()
+
     def __getattr__(self, name):
         return getattr(self._inner, name)
 

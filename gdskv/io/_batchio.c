@@ -57,6 +57,12 @@
  *   for a CPU). q.wait_overdue(grace, timeout) blocks, GIL released, until a finished call has
  *   gone uncollected for `grace` seconds (True; its caller collects instead), or `timeout`
  *   passes or q.close() is called (False); q.wait_idle(timeout): until no call is running.
+ *   q.write_later(root_fd, jobs, crc_fn, file_mode, chmod, sync, direct, threads, staging,
+ *   staging_len, dir_mode, dir_chmod, nice, tag) does the same for write_chunks (an errno per
+ *   job in collect); a job (dir, tmp, name, pieces, 1) is sealed first (seal()): its trailer,
+ *   packed with a zero payload checksum, gets the payload's CRC32C and its own, so no Python
+ *   thread reads the page. q.hurry(+1/-1) counts callers blocked on a result: while any is,
+ *   wait_overdue does not wait out the grace.
  * staging, staging_len (the two arguments after threads, in both): the caller's aligned memory
  *   for those buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an
  *   O_DIRECT request into 4 KiB pages is cut at the queue's segment limit (254 pages on the
@@ -111,6 +117,7 @@ typedef struct {
     int expect_len;   /* read: 0, or the bytes of expect (what the trailer must say) */
     unsigned char expect[EXPECT_MAX];
     int verified;     /* read: the trailer says exactly what expect asks, and the payload's CRC */
+    int seal;         /* write: the last piece is a trailer whose checksums are filled in here (seal()) */
 } job_t;
 
 struct cachestat_range { uint64_t off, len; };
@@ -487,8 +494,25 @@ static int make_dirs(int root, const char *rel, int mode, int do_chmod, int *out
     return 0;
 }
 
+static void put_le(unsigned char *p, uint64_t v, int n) {
+    for (int i = 0; i < n; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+/* A version 2 CRC32C trailer completed from the payload it follows (gdskv.format.pack): the
+ * payload's CRC32C at byte 24 (zero-extended to 64 bits), then the trailer's own CRC32C, taken
+ * with that field zero, at byte 20. The caller packed the rest (keys, lengths, flags). */
+static void seal(job_t *j, crc_fn_t crc) {
+    uint32_t payload = 0;
+    for (int k = 0; k < j->npieces - 1; k++) payload = crc(payload, j->pieces[k].iov_base, j->pieces[k].iov_len);
+    unsigned char *t = j->pieces[j->npieces - 1].iov_base;
+    put_le(t + 24, payload, 8);
+    put_le(t + 20, 0, 4);
+    put_le(t + 20, crc(0, t, TRAILER_BYTES), 4);
+}
+
 static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sync, int direct, char *staging,
-                      int dir_mode, int dir_chmod) {
+                      int dir_mode, int dir_chmod, crc_fn_t crc) {
+    if (j->seal) seal(j, crc);
     int dfd = open_beneath(root, j->path, O_PATH | O_DIRECTORY, 0);
     if (dfd < 0 && errno == ENOENT && dir_mode >= 0) {
         int err = make_dirs(root, j->path, dir_mode, dir_chmod, &dfd);
@@ -556,7 +580,7 @@ static void *run_batch(void *arg) {
         Py_ssize_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
         if (i >= b->n) break;
         if (b->writes) write_one(b->root, &b->jobs[i], b->file_mode, b->do_chmod, b->do_sync, b->direct, staging,
-                                b->dir_mode, b->dir_chmod);
+                                b->dir_mode, b->dir_chmod, b->crc);
         else read_one(b->root, &b->jobs[i], b->crc, b->direct, staging);
     }
     free(own);
@@ -690,12 +714,18 @@ static job_t *parse_jobs(PyObject *list, Py_ssize_t *count, int writes) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = PySequence_Fast_GET_ITEM(fast, i);
         PyObject *path, *tmp = NULL, *name = NULL, *pieces, *outs = NULL, *expect = NULL;
-        int ok = writes ? PyArg_ParseTuple(t, "SSSO", &path, &tmp, &name, &pieces)
+        int ok = writes ? PyArg_ParseTuple(t, "SSSO|p", &path, &tmp, &name, &pieces, &jobs[i].seal)
                         : PyArg_ParseTuple(t, "SO|OO", &path, &pieces, &outs, &expect);
         if (!ok || !(jobs[i].path = copy_bytes(path)) || (writes && (!(jobs[i].tmp = copy_bytes(tmp)) ||
             !(jobs[i].name = copy_bytes(name)))) || parse_pieces(pieces, jobs[i].pieces, &jobs[i].npieces) < 0 ||
             (outs && outs != Py_None && parse_outs(outs, &jobs[i]) < 0) ||
             (expect && expect != Py_None && parse_expect(expect, &jobs[i]) < 0)) {
+            free_jobs(jobs, n);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        if (jobs[i].seal && jobs[i].pieces[jobs[i].npieces - 1].iov_len != TRAILER_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "a job to seal must end in a trailer of TRAILER_BYTES");
             free_jobs(jobs, n);
             Py_DECREF(fast);
             return NULL;
@@ -747,6 +777,13 @@ static PyObject *write_chunks(PyObject *self, PyObject *args) {
     Py_ssize_t n;
     job_t *jobs = parse_jobs(list, &n, 1);
     if (!jobs) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (jobs[i].seal) {
+            free_jobs(jobs, n);
+            PyErr_SetString(PyExc_ValueError, "write_chunks does not seal (Completions.write_later does)");
+            return NULL;
+        }
+    }
     batch_t b = {jobs, n, 0, 1, root, direct, file_mode, do_chmod, do_sync, dir_mode, dir_chmod, NULL, 0,
                  (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
     Py_BEGIN_ALLOW_THREADS
@@ -1018,6 +1055,7 @@ typedef struct completions_s {
     later_t *head, **tail;  /* started and not collected, oldest first */
     Py_ssize_t running;
     int closed;
+    int hurry;  /* callers blocked on a result: finished calls are overdue at once */
 } completions_t;
 
 static double mono_now(void) {
@@ -1074,8 +1112,35 @@ static void completions_dealloc(PyObject *self) {
     Py_TYPE(self)->tp_free(self);
 }
 
+/* Queues `jobs` (parsed, owned from here) as a call of its own and starts its threads. */
+static void start_later(completions_t *q, batch_t b, int threads, int nice, PyObject *tag, later_t *l) {
+    l->b = b;
+    l->q = q;
+    l->threads = threads;
+    l->nice = nice;
+    Py_INCREF(tag);
+    l->tag = tag;
+    Py_INCREF((PyObject *)q);
+    pthread_mutex_lock(&q->mu);
+    *q->tail = l;
+    q->tail = &l->next;
+    q->running++;
+    pthread_mutex_unlock(&q->mu);
+    pthread_attr_t attr;
+    pthread_t tid;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int started = pthread_create(&tid, &attr, run_later, l) == 0;
+    pthread_attr_destroy(&attr);
+    if (!started) {  /* no thread to spare: the work runs here, and is collected as any other */
+        Py_BEGIN_ALLOW_THREADS
+        run_threads(&l->b, l->threads);
+        Py_END_ALLOW_THREADS
+        finish_later(l);
+    }
+}
+
 static PyObject *completions_read_later(PyObject *self, PyObject *args) {
-    completions_t *q = (completions_t *)self;
     int root, direct, threads, nice;
     PyObject *list, *tag;
     unsigned long long crc_addr, ext_addr;
@@ -1095,31 +1160,46 @@ static PyObject *completions_read_later(PyObject *self, PyObject *args) {
         free(l);
         return NULL;
     }
-    l->b = (batch_t){jobs, n, 0, 0, root, direct, 0, 0, 0, -1, 0, (crc_fn_t)(uintptr_t)crc_addr, 0,
-                     (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
-    l->q = q;
-    l->threads = threads;
-    l->nice = nice;
-    Py_INCREF(tag);
-    l->tag = tag;
-    Py_INCREF(self);
-    pthread_mutex_lock(&q->mu);
-    *q->tail = l;
-    q->tail = &l->next;
-    q->running++;
-    pthread_mutex_unlock(&q->mu);
-    pthread_attr_t attr;
-    pthread_t tid;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int started = pthread_create(&tid, &attr, run_later, l) == 0;
-    pthread_attr_destroy(&attr);
-    if (!started) {  /* no thread to spare: the work runs here, and is collected as any other */
-        Py_BEGIN_ALLOW_THREADS
-        run_threads(&l->b, l->threads);
-        Py_END_ALLOW_THREADS
-        finish_later(l);
+    batch_t b = {jobs, n, 0, 0, root, direct, 0, 0, 0, -1, 0, (crc_fn_t)(uintptr_t)crc_addr, 0,
+                 (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
+    start_later((completions_t *)self, b, threads, nice, tag, l);
+    Py_RETURN_NONE;
+}
+
+static PyObject *completions_write_later(PyObject *self, PyObject *args) {
+    int root, file_mode, do_chmod, do_sync, direct, threads, dir_mode, dir_chmod, nice;
+    PyObject *list, *tag;
+    unsigned long long crc_addr, ext_addr;
+    Py_ssize_t ext_len;
+    if (!PyArg_ParseTuple(args, "iOKipppiKnipiO", &root, &list, &crc_addr, &file_mode, &do_chmod, &do_sync, &direct,
+                          &threads, &ext_addr, &ext_len, &dir_mode, &dir_chmod, &nice, &tag))
+        return NULL;
+    if (!crc_addr) {
+        PyErr_SetString(PyExc_ValueError, "write_later needs crc32c_extend");
+        return NULL;
     }
+    later_t *l = calloc(1, sizeof *l);
+    if (!l) return PyErr_NoMemory();
+    Py_ssize_t n;
+    job_t *jobs = parse_jobs(list, &n, 1);
+    if (!jobs) {
+        free(l);
+        return NULL;
+    }
+    batch_t b = {jobs, n, 0, 1, root, direct, file_mode, do_chmod, do_sync, dir_mode, dir_chmod,
+                 (crc_fn_t)(uintptr_t)crc_addr, 0, (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
+    start_later((completions_t *)self, b, threads, nice, tag, l);
+    Py_RETURN_NONE;
+}
+
+static PyObject *completions_hurry(PyObject *self, PyObject *args) {
+    completions_t *q = (completions_t *)self;
+    int delta;
+    if (!PyArg_ParseTuple(args, "i", &delta)) return NULL;
+    pthread_mutex_lock(&q->mu);
+    q->hurry += delta;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
     Py_RETURN_NONE;
 }
 
@@ -1147,7 +1227,7 @@ static PyObject *completions_collect(PyObject *self, PyObject *noargs) {
         PyObject *results = out ? PyList_New(l->b.n) : NULL;
         for (Py_ssize_t i = 0; results && i < l->b.n; i++) {
             job_t *j = &l->b.jobs[i];
-            PyObject *r = Py_BuildValue("(iIi)", j->err, j->crc, j->verified);
+            PyObject *r = l->b.writes ? PyLong_FromLong(j->err) : Py_BuildValue("(iIi)", j->err, j->crc, j->verified);
             if (!r) Py_CLEAR(results);
             else PyList_SET_ITEM(results, i, r);
         }
@@ -1172,9 +1252,9 @@ static PyObject *completions_wait_overdue(PyObject *self, PyObject *args) {
     double deadline = mono_now() + timeout;
     pthread_mutex_lock(&q->mu);
     while (!q->closed) {
-        double now = mono_now(), wake = deadline;
+        double now = mono_now(), wake = deadline, wait = q->hurry > 0 ? 0.0 : grace;
         for (later_t *l = q->head; l; l = l->next)
-            if (l->done && l->done_at + grace < wake) wake = l->done_at + grace;
+            if (l->done && l->done_at + wait < wake) wake = l->done_at + wait;
         if (wake <= now) {
             overdue = wake < deadline;
             break;
@@ -1224,6 +1304,9 @@ static PyObject *completions_running(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef completions_methods[] = {
     {"read_later", completions_read_later, METH_VARARGS, "Start a read_chunks call; its results are collected later."},
+    {"write_later", completions_write_later, METH_VARARGS, "Start a write_chunks call (jobs may seal); collected later."},
+    {"hurry", completions_hurry, METH_VARARGS,
+     "Add to the count of callers blocked on a result (wait_overdue does not wait out the grace while positive)."},
     {"collect", completions_collect, METH_NOARGS, "[(tag, results)] of every call finished and not yet collected."},
     {"wait_overdue", completions_wait_overdue, METH_VARARGS,
      "Block (GIL released) until a finished call went uncollected for grace seconds, or timeout, or close."},

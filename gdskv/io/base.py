@@ -103,14 +103,20 @@ class IoEngine(abc.ABC):
     def read_chunks_later(self, completions: Any, root_fd: int, jobs: Sequence[tuple], threads: int, nice: int,
                           tag: Any) -> None:
         """``read_chunks_now`` started on ``threads`` native threads niced by ``nice`` and
-        returning at once; ``collect_reads(completions)`` hands back ``(tag, results)`` once it
+        returning at once; ``collect_done(completions)`` hands back ``(tag, results)`` once it
         finished. Called by the transfer layer for asynchronous loads, only where
         ``batches_chunks``."""
         raise NotImplementedError
 
-    def collect_reads(self, completions: Any) -> list[tuple[Any, list]]:
-        """``(tag, results)`` of each ``read_chunks_later`` on ``completions`` finished since the
-        last call, without waiting."""
+    def write_chunks_later(self, completions: Any, root_fd: int, jobs: Sequence[tuple], threads: int,
+                           dir_mode: Optional[int], nice: int, tag: Any) -> None:
+        """``write_chunks_now`` started as ``read_chunks_later`` starts reads; a job may ask to be
+        sealed natively (``gdskv.io.batch.write_later``)."""
+        raise NotImplementedError
+
+    def collect_done(self, completions: Any) -> list[tuple[Any, list]]:
+        """``(tag, results)`` of each ``read_chunks_later``/``write_chunks_later`` on
+        ``completions`` finished since the last call, without waiting."""
         raise NotImplementedError
 
     def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[tuple[int, int]]]],

@@ -104,13 +104,31 @@ def read_later(queue: Any, root_fd: int, jobs: Sequence[tuple], direct: bool, th
     queue.read_later(root_fd, [(job[0].encode(), *job[1:]) for job in jobs], _CRC, direct, threads, *staging, nice, tag)
 
 
-def collect(queue: Any) -> list[tuple[Any, list[ReadResult]]]:
-    """``(tag, results)`` of every ``read_later`` of ``queue`` finished since the last collect
-    (results as ``read_chunks`` gives them), without waiting for the others."""
-    out = [(tag, [ReadResult(err, crc, verified == 1) for err, crc, verified in results])
-           for tag, results in queue.collect()]
-    for _, results in out:
-        _note([r.err for r in results])
+def write_later(queue: Any, root_fd: int, jobs: Sequence[tuple], file_mode: int, chmod: bool, sync: bool,
+                direct: bool, threads: int, staging: Piece, dir_mode: Optional[int], dir_chmod: bool, nice: int,
+                tag: Any) -> None:
+    """``write_chunks`` started as ``read_later`` starts reads (errnos from ``collect``). A job
+    ``(dir, tmp, name, pieces, True)`` is sealed there first: its last piece, a version 2
+    CRC32C trailer packed with a zero payload checksum, gets the payload's CRC32C and its own
+    (as ``gdskv.format.pack`` makes them), so no Python thread checksums the page. Called by
+    ``PosixEngine.write_chunks_later``."""
+    queue.write_later(root_fd, [(d.encode(), t.encode(), n.encode(), *rest) for d, t, n, *rest in jobs], _CRC,
+                      file_mode, chmod, sync, direct, threads, *staging, -1 if dir_mode is None else dir_mode,
+                      dir_chmod, nice, tag)
+
+
+def collect(queue: Any) -> list[tuple[Any, list]]:
+    """``(tag, results)`` of every ``read_later``/``write_later`` of ``queue`` finished since the
+    last collect (a ``ReadResult`` per read job, an errno per write job, as ``read_chunks`` and
+    ``write_chunks`` give them), without waiting for the others."""
+    out = []
+    for tag, results in queue.collect():
+        if results and type(results[0]) is tuple:
+            results = [ReadResult(err, crc, verified == 1) for err, crc, verified in results]
+            _note([r.err for r in results])
+        else:
+            _note(results)
+        out.append((tag, results))
     return out
 
 

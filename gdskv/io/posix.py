@@ -119,7 +119,20 @@ class PosixEngine(IoEngine):
                 self._batch_buffers.put(buf)
             raise
 
-    def collect_reads(self, completions: Any) -> list[tuple[Any, list[batchio.ReadResult]]]:
+    def write_chunks_later(self, completions: Any, root_fd: int, jobs: Sequence[tuple], threads: int,
+                           dir_mode: Optional[int], nice: int, tag: Any) -> None:
+        mode, chmod = self.file_mode, umask_may_strip(self.file_mode)
+        buf, need = self._take_staging(batchio.chunk_sizes(jobs, 3), threads) if self.o_direct else (None, 0)
+        try:
+            batchio.write_later(completions, root_fd, jobs, mode, chmod, self.fsync, self.o_direct, threads,
+                                (0, 0) if buf is None else (buf.data_ptr(), need), dir_mode,
+                                dir_mode is not None and umask_may_strip(dir_mode), nice, (tag, buf))
+        except BaseException:
+            if buf is not None:
+                self._batch_buffers.put(buf)
+            raise
+
+    def collect_done(self, completions: Any) -> list[tuple[Any, list]]:
         out = []
         for (tag, buf), results in batchio.collect(completions):
             if buf is not None:

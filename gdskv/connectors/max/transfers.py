@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from functools import partial
 from typing import Optional
@@ -150,9 +150,12 @@ class OffloadTransfer:
     """The ``KVConnectorTransfer`` of one ``offload``: complete when every chunk was written and
     published, or dropped. Never raises."""
 
-    def __init__(self, meter: Meter, taken: dict[str, list[int]]) -> None:
+    def __init__(self, meter: Meter, taken: dict[str, list[int]], reap: Callable[[], None]) -> None:
+        """``reap``: ``KvService.reap``, which finishes saves on the caller's thread (MAX's
+        serving loop, in ``is_complete``) rather than a transfer thread's."""
         self._meter = meter
         self._taken = taken
+        self._reap = reap
         self._mu = threading.Lock()
         self._pending = 0
         self._jobs = 0
@@ -198,11 +201,14 @@ class OffloadTransfer:
 
     def is_complete(self) -> bool:
         """Never blocks; ``True`` once every chunk settled (published, already there, dropped)."""
+        if not self._settled.is_set():
+            self._reap()
         return self._settled.is_set()
 
     def synchronize(self) -> None:
         """Wait until every chunk settled."""
-        self._settled.wait()
+        while not self._settled.wait(0.005):
+            self._reap()
 
 
 def offload_work(service: KvService, pools: Pools, mem: Mapping[str, LeafMemory],
@@ -256,6 +262,6 @@ def post_offload(service: KvService, meter: Meter, work: list[SaveChunk], taken:
         meter.count(offload_blocks_dropped=len(unposted))
         return CompletedTransfer()
     meter.count(inflight=len(posted))
-    transfer = OffloadTransfer(meter, taken)
+    transfer = OffloadTransfer(meter, taken, service.reap)
     transfer.start(posted, unposted)
     return transfer

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from typing import Any, Optional, Sequence
 
 import torch
@@ -56,7 +56,8 @@ class WorkerSide:
             return
         pending = [f for rid in meta.preempted for f in self._saves.pop(rid, ())]
         if pending:
-            wait(pending)
+            for f in pending:  # each wait hurries the transfer's reaper (gdskv.futures.PageFuture)
+                f.exception()
 
     def start_loads(self, meta: Any) -> None:
         meta = self._fresh(meta)
