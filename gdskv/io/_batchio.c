@@ -1112,8 +1112,18 @@ static void completions_dealloc(PyObject *self) {
     Py_TYPE(self)->tp_free(self);
 }
 
-/* Queues `jobs` (parsed, owned from here) as a call of its own and starts its threads. */
-static void start_later(completions_t *q, batch_t b, int threads, int nice, PyObject *tag, later_t *l) {
+/* Parses `list` into b's jobs and queues them as a call of its own, then starts its threads. */
+static PyObject *start_later(completions_t *q, batch_t b, PyObject *list, int threads, int nice, PyObject *tag) {
+    if (!b.crc) {
+        PyErr_SetString(PyExc_ValueError, "a later call needs crc32c_extend");
+        return NULL;
+    }
+    later_t *l = calloc(1, sizeof *l);
+    if (!l) return PyErr_NoMemory();
+    if (!(b.jobs = parse_jobs(list, &b.n, b.writes))) {
+        free(l);
+        return NULL;
+    }
     l->b = b;
     l->q = q;
     l->threads = threads;
@@ -1138,6 +1148,7 @@ static void start_later(completions_t *q, batch_t b, int threads, int nice, PyOb
         Py_END_ALLOW_THREADS
         finish_later(l);
     }
+    Py_RETURN_NONE;
 }
 
 static PyObject *completions_read_later(PyObject *self, PyObject *args) {
@@ -1148,22 +1159,9 @@ static PyObject *completions_read_later(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iOKpiKniO", &root, &list, &crc_addr, &direct, &threads, &ext_addr, &ext_len, &nice,
                           &tag))
         return NULL;
-    if (!crc_addr) {
-        PyErr_SetString(PyExc_ValueError, "read_later needs crc32c_extend");
-        return NULL;
-    }
-    later_t *l = calloc(1, sizeof *l);
-    if (!l) return PyErr_NoMemory();
-    Py_ssize_t n;
-    job_t *jobs = parse_jobs(list, &n, 0);
-    if (!jobs) {
-        free(l);
-        return NULL;
-    }
-    batch_t b = {jobs, n, 0, 0, root, direct, 0, 0, 0, -1, 0, (crc_fn_t)(uintptr_t)crc_addr, 0,
+    batch_t b = {NULL, 0, 0, 0, root, direct, 0, 0, 0, -1, 0, (crc_fn_t)(uintptr_t)crc_addr, 0,
                  (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
-    start_later((completions_t *)self, b, threads, nice, tag, l);
-    Py_RETURN_NONE;
+    return start_later((completions_t *)self, b, list, threads, nice, tag);
 }
 
 static PyObject *completions_write_later(PyObject *self, PyObject *args) {
@@ -1174,22 +1172,9 @@ static PyObject *completions_write_later(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iOKipppiKnipiO", &root, &list, &crc_addr, &file_mode, &do_chmod, &do_sync, &direct,
                           &threads, &ext_addr, &ext_len, &dir_mode, &dir_chmod, &nice, &tag))
         return NULL;
-    if (!crc_addr) {
-        PyErr_SetString(PyExc_ValueError, "write_later needs crc32c_extend");
-        return NULL;
-    }
-    later_t *l = calloc(1, sizeof *l);
-    if (!l) return PyErr_NoMemory();
-    Py_ssize_t n;
-    job_t *jobs = parse_jobs(list, &n, 1);
-    if (!jobs) {
-        free(l);
-        return NULL;
-    }
-    batch_t b = {jobs, n, 0, 1, root, direct, file_mode, do_chmod, do_sync, dir_mode, dir_chmod,
+    batch_t b = {NULL, 0, 0, 1, root, direct, file_mode, do_chmod, do_sync, dir_mode, dir_chmod,
                  (crc_fn_t)(uintptr_t)crc_addr, 0, (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
-    start_later((completions_t *)self, b, threads, nice, tag, l);
-    Py_RETURN_NONE;
+    return start_later((completions_t *)self, b, list, threads, nice, tag);
 }
 
 static PyObject *completions_hurry(PyObject *self, PyObject *args) {
