@@ -49,9 +49,10 @@ resolves its slice (with the GIL) while the other's pages move (without it)."""
 
 
 REAP_GRACE = 0.05
-"""Seconds a finished asynchronous load waits for the serving loop to collect it (``PageTransfer.reap``
-between steps) before the reaper thread does: long enough that between steps of a busy engine
-the serving thread collects every one, so no Python thread takes the interpreter from it."""
+"""Seconds a transfer finished natively waits for the serving loop to collect it
+(``PageTransfer.reap`` between steps) before the reaper thread does: long enough that between
+steps of a busy engine the serving thread collects every one, so no Python thread takes the
+interpreter from it."""
 
 DoneFn = Callable[[list[int], Optional[list[Any]], list[int]], None]
 """``on_done(done, results, skipped)`` of ``save_pages``/``load_pages``: see ``PageTransfer._batch``."""
@@ -574,14 +575,15 @@ class PageTransfer:
 
     # --- transfers finished by the serving loop -----------------------------------------------
     def _later_ready(self) -> bool:
-        """Whether transfers can go through ``_later`` (the native path, not closed)."""
+        """Whether transfers can go through ``_later`` (the native path, not closed: after
+        ``close`` they go to the pools, which refuse them)."""
         if self._completions is None and self._batchable():
             with self._later_lock:
                 if self._completions is None and not self._closed:
                     self._completions = batchio.completions()
                     self._reaper = threading.Thread(target=self._reap_overdue, name="gdskv-xfer-reap", daemon=True)
                     self._reaper.start()
-        return self._completions is not None and self._batchable()
+        return self._completions is not None and not self._closed and self._batchable()
 
     def _later(self, group: int, jobs: list[tuple], on_done: Optional[DoneFn], save: bool) -> list[Future]:
         """Saves, or an asynchronous load's pages, started on native threads (niced by
@@ -615,7 +617,7 @@ class PageTransfer:
                             "saves" if save else "loads", e)
                 if reads is not None:
                     self._unpin(reads)
-                rest += native
+                self._background.submit(self._redo, group, jobs, native, futures, on_done, save, True)
         now = [i for i, status in enumerate(out) if status is not None]
         if now:  # saves already stored or refused by the budget
             _bookkeep(on_done, now, [out[i] for i in now])

@@ -222,3 +222,23 @@ def test_a_save_whose_native_write_fails_is_redone_and_what_was_in_the_way_quara
     assert [f.result() for f in futures] == [SaveStatus.PUBLISHED] * 3
     assert in_the_way.is_file() and in_the_way.read_bytes()[:PAGE] == bytes(src[1].numpy())
     x.close()
+
+
+def test_transfers_that_cannot_start_natively_are_redone_and_none_is_taken_after_close(store_path, monkeypatch):
+    x = make(store_path)
+    src = torch.randint(0, 256, (3, PAGE), dtype=torch.uint8, generator=torch.Generator().manual_seed(8))
+
+    def refuse(*args, **kwargs):
+        raise OSError("no threads left")
+
+    monkeypatch.setattr(x.engine, "write_chunks_later", refuse)
+    monkeypatch.setattr(x.engine, "read_chunks_later", refuse)
+    futures = x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(3)])
+    assert [f.result(timeout=30) for f in futures] == [SaveStatus.PUBLISHED] * 3
+    dst = torch.zeros(3, PAGE, dtype=torch.uint8)
+    futures = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(3)], background=True)
+    assert [f.result(timeout=30) for f in futures] == [LoadStatus.LOADED] * 3 and torch.equal(dst, src)
+    monkeypatch.undo()
+    x.close()
+    with pytest.raises(RuntimeError):  # refused, never left pending with no one to finish it
+        x.save_pages(0, [(KEYS[5], None, [src[0]])])
