@@ -7,10 +7,12 @@ loop in the step that admits the request, while the disk can only take the first
 ``start_at=k``, at its k-th ``pump``) and one more at each ``pump`` (the serving loop calls
 it at every step's start and end) while fewer than a slice are unfinished, so each step pays for
 the pages the disk finished since, not for the whole prefix. Should every posted page finish
-between two pumps (steps longer than the disk needs for a slice), the last one to finish posts
-the next slice itself, so the disk never waits for the serving loop. Slices are not posted from transfer threads otherwise: Python work there competes
-with the serving thread for the interpreter (measured: decode steps 1.6-2x slower while a load
-posted its slices from completions).
+between two pumps (steps longer than the disk needs for a slice), whoever finishes the last of
+them posts the next slice: on the native path that is the serving loop's ``KvService.reap``,
+or the transfer's reaper thread once a finished slice went uncollected ``REAP_GRACE``. Slices
+are not posted from transfer threads otherwise: Python work there competes with the serving
+thread for the interpreter (measured: decode steps 1.6-2x slower while a load posted its
+slices from completions).
 
 Used by the TensorRT-LLM worker for the loads it runs outside the batch
 (``StepMetadata.async_loads``): nothing waits for them in the forward pass.

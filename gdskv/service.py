@@ -393,11 +393,12 @@ class KvService:
         return out
 
     def reap(self) -> None:
-        """Finish, on this thread, the asynchronous loads whose pages landed since the last call
-        (``PageTransfer.reap``: their bookkeeping, their futures and those futures' callbacks).
-        The serving loop calls it between steps (the TensorRT-LLM and vLLM workers, before they
-        look at their loads' futures), so no transfer thread takes the interpreter from it;
-        uncalled, the loads finish anyway, ``gdskv.transfer.REAP_GRACE`` seconds later."""
+        """Finish, on this thread, the saves and asynchronous loads whose pages moved since the
+        last call (``PageTransfer.reap``: their bookkeeping, their futures and those futures'
+        callbacks). The serving loop calls it between steps (the TensorRT-LLM and vLLM workers,
+        before they look at their transfers' futures; MAX's offloads when polled), so no transfer
+        thread takes the interpreter from it; uncalled, they finish anyway,
+        ``gdskv.transfer.REAP_GRACE`` seconds later, or at once for a caller blocked on a result."""
         for transfer in self.transfers.values():
             transfer.reap()
 

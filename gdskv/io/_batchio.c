@@ -1038,7 +1038,7 @@ static PyObject *staging_need(PyObject *self, PyObject *args) {
 }
 
 
-/* Completions: read_chunks calls that run on threads of their own and are collected later. */
+/* Completions: read_chunks and write_chunks calls that run on threads of their own, collected later. */
 typedef struct later_s {
     struct later_s *next;
     struct completions_s *q;
