@@ -180,7 +180,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
                                                start_at=2)
 
     def _pump(self) -> None:
-        """Finish the asynchronous loads whose pages landed, then post their next slices."""
+        """Finish the saves and loads that landed (``KvService.reap``), then post the loads' next slices."""
         self.service.reap()
         for load in self._async_loads.values():
             load.pump()
