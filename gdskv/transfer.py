@@ -229,12 +229,12 @@ class PageTransfer:
 
     def _save_slice(self, group: int, jobs: list[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
                     threads: int = 1) -> list[SaveStatus]:
-        """``_save`` for a slice of pages through the native batch path: checks, admission and
-        sealing in Python, then one call writes and publishes every chunk with the GIL released,
-        on ``threads`` native threads. A page the batch path cannot take, or that fails in it,
+        """``_save`` for a slice of pages through the native batch path: checks and admission in
+        Python, then one call seals, writes and publishes every chunk with the GIL released, on
+        ``threads`` native threads. A page the batch path cannot take, or that fails in it,
         goes through ``_save``."""
         out: list[Optional[SaveStatus]] = [None] * len(jobs)
-        native, work, rest, trailers = self._prepare_saves(group, jobs, out, seal_here=True)
+        native, work, rest, trailers = self._prepare_saves(group, jobs, out)
         for i in rest:
             out[i] = self._save(group, *jobs[i])
         if work:
@@ -246,12 +246,11 @@ class PageTransfer:
         return out  # type: ignore[return-value]
 
     def _prepare_saves(self, group: int, jobs: Sequence[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
-                       out: list[Optional[SaveStatus]], seal_here: bool
-                       ) -> tuple[list[int], list[tuple], list[int], list[bytearray]]:
+                       out: list[Optional[SaveStatus]]) -> tuple[list[int], list[tuple], list[int], list[bytearray]]:
         """Sort a slice of saves: ``out[i]`` set for pages already stored (EXISTS) or refused by
-        the budget (DROPPED); the native write jobs of the rest, sealed here or, without
-        ``seal_here``, packed with a zero payload checksum for the native side to seal
-        (``gdskv.io.batch.write_later``); the indices of the native jobs and of the pages the
+        the budget (DROPPED); the native write jobs of the rest, their trailers packed with a zero
+        payload checksum for the native side to seal (``gdskv.io.batch.write_chunks``), or sealed
+        here where an auth key asks for a MAC; the indices of the native jobs and of the pages the
         batch path cannot take (for ``_save``); the trailers the jobs' last pieces point into,
         which must outlive the writes."""
         ns = self.ns
@@ -279,7 +278,7 @@ class PageTransfer:
                 out[i] = SaveStatus.DROPPED
                 continue
             skey = ns.store_key(group, key)
-            if seal_here or self._auth_key is not None:
+            if self._auth_key is not None:
                 trailer = bytearray(checksum.seal(segments, group=group, store_key=skey, block_key=key, parent_key=parent,
                                                   algo=fmt.CHECKSUM_CRC32C, auth_key=self._auth_key))
             else:
@@ -288,7 +287,7 @@ class PageTransfer:
             rel_dir, name = ns.chunk_location(group, key)
             tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.{next(self._tmp_seq):x}"
             job = (rel_dir, tmp, name, batchio.pieces_of(segments, trailer))
-            work.append(job if seal_here or self._auth_key is not None else (*job, True))
+            work.append(job if self._auth_key is not None else (*job, True))
             native.append(i)
         return native, work, rest, trailers
 
@@ -598,7 +597,7 @@ class PageTransfer:
             fut.set_running_or_notify_cancel()
         out: list[Any] = [None] * len(jobs)
         if save:
-            native, work, rest, trailers = self._prepare_saves(group, jobs, out, seal_here=False)
+            native, work, rest, trailers = self._prepare_saves(group, jobs, out)
             reads = None
         else:
             reads, rest = self._prepare_reads(group, jobs)

@@ -27,10 +27,12 @@
  *   (eviction ranks by recency) and its atime left alone (a lookup's lease).
  *   direct: read chunks mostly not in the page cache with O_DIRECT, aligned pieces in place and
  *   the rest through an aligned staging buffer.
- * write_chunks(root_fd, jobs, file_mode, chmod, sync, direct, threads, ..., dir_mode, dir_chmod)
- *   -> list[err]
- *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces), ...]; writes the pieces end to end
- *   into dir/tmp (created exclusively), optionally fsyncs it, and renames it to dir/name. A
+ * write_chunks(root_fd, jobs, crc_fn, file_mode, chmod, sync, direct, threads, ..., dir_mode,
+ *   dir_chmod) -> list[err]
+ *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces[, seal]), ...]; writes the pieces end to
+ *   end into dir/tmp (created exclusively), optionally fsyncs it, and renames it to dir/name. A
+ *   job with seal true is sealed first (seal()): its last piece, a trailer packed with a zero
+ *   payload checksum, gets the payload's CRC32C and its own, so no Python reads the page. A
  *   missing dir is made first, with its parents (dir_mode, or -1: ENOENT instead), so the first
  *   saves into a new store take this path too.
  *   direct: the file's whole 4 KiB blocks go out with O_DIRECT (from the pieces where they are
@@ -47,8 +49,8 @@
  *   PATHS_PER_THREAD keys).
  * copy_many(copies, threads): host-memory copies [(dst, src, length), ...] in 1 MiB pieces on
  *   that many threads, the GIL released (host-tier hits into plain host memory).
- * Completions(): reads that finish without anyone waiting (asynchronous loads, which no forward
- *   pass waits for). q.read_later(root_fd, jobs, crc_fn, direct, threads, staging, staging_len,
+ * Completions(): reads and writes that finish without anyone waiting (saves, and asynchronous
+ *   loads, which no forward pass waits for). q.read_later(root_fd, jobs, crc_fn, direct, threads, staging, staging_len,
  *   nice, tag) starts read_chunks' work on threads of its own (their nice value raised by
  *   `nice`) and returns at once; q.collect() hands back [(tag, [(err, crc, verified), ...]), ...]
  *   for every call finished since, without waiting. The serving loop collects between its
@@ -59,9 +61,7 @@
  *   passes or q.close() is called (False); q.wait_idle(timeout): until no call is running.
  *   q.write_later(root_fd, jobs, crc_fn, file_mode, chmod, sync, direct, threads, staging,
  *   staging_len, dir_mode, dir_chmod, nice, tag) does the same for write_chunks (an errno per
- *   job in collect); a job (dir, tmp, name, pieces, 1) is sealed first (seal()): its trailer,
- *   packed with a zero payload checksum, gets the payload's CRC32C and its own, so no Python
- *   thread reads the page. q.hurry(+1/-1) counts callers blocked on a result: while any is,
+ *   job in collect). q.hurry(+1/-1) counts callers blocked on a result: while any is,
  *   wait_overdue does not wait out the grace.
  * staging, staging_len (the two arguments after threads, in both): the caller's aligned memory
  *   for those buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an
@@ -770,22 +770,19 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
 static PyObject *write_chunks(PyObject *self, PyObject *args) {
     int root, file_mode, do_chmod, do_sync, direct, threads, dir_mode, dir_chmod;
     PyObject *list;
-    unsigned long long ext_addr;
+    unsigned long long crc_addr, ext_addr;
     Py_ssize_t ext_len;
-    if (!PyArg_ParseTuple(args, "iOipppiKnip", &root, &list, &file_mode, &do_chmod, &do_sync, &direct, &threads,
-                          &ext_addr, &ext_len, &dir_mode, &dir_chmod)) return NULL;
+    if (!PyArg_ParseTuple(args, "iOKipppiKnip", &root, &list, &crc_addr, &file_mode, &do_chmod, &do_sync, &direct,
+                          &threads, &ext_addr, &ext_len, &dir_mode, &dir_chmod)) return NULL;
+    if (!crc_addr) {
+        PyErr_SetString(PyExc_ValueError, "write_chunks needs crc32c_extend");
+        return NULL;
+    }
     Py_ssize_t n;
     job_t *jobs = parse_jobs(list, &n, 1);
     if (!jobs) return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (jobs[i].seal) {
-            free_jobs(jobs, n);
-            PyErr_SetString(PyExc_ValueError, "write_chunks does not seal (Completions.write_later does)");
-            return NULL;
-        }
-    }
-    batch_t b = {jobs, n, 0, 1, root, direct, file_mode, do_chmod, do_sync, dir_mode, dir_chmod, NULL, 0,
-                 (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
+    batch_t b = {jobs, n, 0, 1, root, direct, file_mode, do_chmod, do_sync, dir_mode, dir_chmod,
+                 (crc_fn_t)(uintptr_t)crc_addr, 0, (char *)(uintptr_t)ext_addr, (size_t)ext_len, 0};
     Py_BEGIN_ALLOW_THREADS
     run_threads(&b, threads);
     Py_END_ALLOW_THREADS
@@ -1289,7 +1286,7 @@ static PyObject *completions_running(PyObject *self, PyObject *noargs) {
 
 static PyMethodDef completions_methods[] = {
     {"read_later", completions_read_later, METH_VARARGS, "Start a read_chunks call; its results are collected later."},
-    {"write_later", completions_write_later, METH_VARARGS, "Start a write_chunks call (jobs may seal); collected later."},
+    {"write_later", completions_write_later, METH_VARARGS, "Start a write_chunks call; its errnos are collected later."},
     {"hurry", completions_hurry, METH_VARARGS,
      "Add to the count of callers blocked on a result (wait_overdue does not wait out the grace while positive)."},
     {"collect", completions_collect, METH_NOARGS, "[(tag, results)] of every call finished and not yet collected."},
@@ -1306,7 +1303,7 @@ static PyTypeObject CompletionsType = {
     .tp_name = "gdskv.io._batchio.Completions",
     .tp_basicsize = sizeof(completions_t),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "read_chunks calls that finish on threads of their own and are collected later.",
+    .tp_doc = "read_chunks and write_chunks calls that finish on threads of their own and are collected later.",
     .tp_new = completions_new,
     .tp_dealloc = completions_dealloc,
     .tp_methods = completions_methods,

@@ -89,9 +89,9 @@ def read_chunks(root_fd: int, jobs: Sequence[tuple], direct: bool, threads: int 
 
 
 def completions() -> Any:
-    """A queue of reads that finish on threads of their own (``read_later``) and are collected
-    without waiting (``collect``): ``_batchio.Completions``. Made by ``PageTransfer`` for its
-    asynchronous loads, where ``available``."""
+    """A queue of reads and writes that finish on threads of their own (``read_later``,
+    ``write_later``) and are collected without waiting (``collect``): ``_batchio.Completions``.
+    Made by ``PageTransfer`` for its saves and asynchronous loads, where ``available``."""
     return _batchio.Completions()
 
 
@@ -107,11 +107,8 @@ def read_later(queue: Any, root_fd: int, jobs: Sequence[tuple], direct: bool, th
 def write_later(queue: Any, root_fd: int, jobs: Sequence[tuple], file_mode: int, chmod: bool, sync: bool,
                 direct: bool, threads: int, staging: Piece, dir_mode: Optional[int], dir_chmod: bool, nice: int,
                 tag: Any) -> None:
-    """``write_chunks`` started as ``read_later`` starts reads (errnos from ``collect``). A job
-    ``(dir, tmp, name, pieces, True)`` is sealed there first: its last piece, a version 2
-    CRC32C trailer packed with a zero payload checksum, gets the payload's CRC32C and its own
-    (as ``gdskv.format.pack`` makes them), so no Python thread checksums the page. Called by
-    ``PosixEngine.write_chunks_later``."""
+    """``write_chunks`` (jobs sealed the same way) started as ``read_later`` starts reads
+    (errnos from ``collect``). Called by ``PosixEngine.write_chunks_later``."""
     queue.write_later(root_fd, [(d.encode(), t.encode(), n.encode(), *rest) for d, t, n, *rest in jobs], _CRC,
                       file_mode, chmod, sync, direct, threads, *staging, -1 if dir_mode is None else dir_mode,
                       dir_chmod, nice, tag)
@@ -140,7 +137,7 @@ def expectation(group: int, nbytes: int, store_key: bytes, block_key: bytes) -> 
     return _EXPECT_HEAD.pack(group, nbytes) + bytes(store_key) + bytes(block_key)
 
 
-def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piece]]], file_mode: int,
+def write_chunks(root_fd: int, jobs: Sequence[tuple], file_mode: int,
                  chmod: bool, sync: bool, direct: bool, threads: int = 1, staging: Piece = (0, 0),
                  dir_mode: Optional[int] = None, dir_chmod: bool = False) -> list[int]:
     """Write each job's pieces into ``dir/tmp`` (created exclusively with ``file_mode``;
@@ -150,9 +147,12 @@ def write_chunks(root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[Piec
     are not aligned, in ``staging`` as for ``read_chunks``), the rest after them through the page
     cache. ``dir_mode``: a missing ``dir`` is made, with its parents, with that mode (set again
     when ``dir_chmod``), each resolved beneath the root without following a link; None: the job
-    fails with ``ENOENT``. A failed job leaves no file behind. Called by ``PosixEngine``."""
-    errs = _batchio.write_chunks(root_fd, [(d.encode(), t.encode(), n.encode(), p) for d, t, n, p in jobs],
-                                 file_mode, chmod, sync, direct, threads, *staging,
+    fails with ``ENOENT``. A failed job leaves no file behind. A job ``(dir, tmp, name, pieces,
+    True)`` is sealed there first: its last piece, a version 2 CRC32C trailer packed with a zero
+    payload checksum, gets the payload's CRC32C and its own (as ``gdskv.format.pack`` makes
+    them), so no Python thread checksums the page. Called by ``PosixEngine``."""
+    errs = _batchio.write_chunks(root_fd, [(d.encode(), t.encode(), n.encode(), *rest) for d, t, n, *rest in jobs],
+                                 _CRC, file_mode, chmod, sync, direct, threads, *staging,
                                  -1 if dir_mode is None else dir_mode, dir_chmod)
     _note(errs)
     return errs
