@@ -1061,6 +1061,10 @@ static double mono_now(void) {
     return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
 }
 
+static struct timespec at_time(double t) {
+    return (struct timespec){(time_t)t, (long)((t - (double)(time_t)t) * 1e9)};
+}
+
 static void finish_later(later_t *l) {
     completions_t *q = l->q;
     pthread_mutex_lock(&q->mu);
@@ -1241,7 +1245,7 @@ static PyObject *completions_wait_overdue(PyObject *self, PyObject *args) {
             overdue = wake < deadline;
             break;
         }
-        struct timespec ts = {(time_t)wake, (long)((wake - (double)(time_t)wake) * 1e9)};
+        struct timespec ts = at_time(wake);
         pthread_cond_timedwait(&q->cv, &q->mu, &ts);
     }
     pthread_mutex_unlock(&q->mu);
@@ -1258,7 +1262,7 @@ static PyObject *completions_wait_idle(PyObject *self, PyObject *args) {
     double deadline = mono_now() + timeout;
     pthread_mutex_lock(&q->mu);
     while (q->running > 0 && mono_now() < deadline) {
-        struct timespec ts = {(time_t)deadline, (long)((deadline - (double)(time_t)deadline) * 1e9)};
+        struct timespec ts = at_time(deadline);
         pthread_cond_timedwait(&q->cv, &q->mu, &ts);
     }
     idle = q->running == 0;
