@@ -301,6 +301,8 @@ class Reserved(NamedTuple):
 class Borrowed:
     """A payload lent out by ``HostTier.borrow``: ``buf``, until ``release()`` (idempotent)."""
 
+    __slots__ = ("buf", "_tier", "_entry")
+
     def __init__(self, tier: HostTier, entry: _Entry) -> None:
         self.buf = entry.buf
         self._tier: Optional[HostTier] = tier
@@ -320,9 +322,12 @@ class Borrowed:
 def payload_nbytes(segments: Sequence[torch.Tensor]) -> Optional[int]:
     """Bytes of a page's segments, or None when one is not contiguous (it cannot be copied in
     place: the tier neither takes nor serves it)."""
-    if not all(s.is_contiguous() for s in segments):
-        return None
-    return sum(s.numel() * s.element_size() for s in segments)
+    n = 0
+    for s in segments:  # a loop, not all() and sum() over generators: called for every page posted
+        if not s.is_contiguous():
+            return None
+        n += s.nbytes
+    return n
 
 
 def _flat(segment: torch.Tensor) -> torch.Tensor:
@@ -344,27 +349,40 @@ def scatter(src: torch.Tensor, segments: Sequence[torch.Tensor]) -> None:
     _move(src, segments, into_segments=True)
 
 
-def scatter_many(pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], threads: int) -> None:
+def scatter_many(pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], threads: int,
+                 checked: bool = False) -> None:
     """``scatter`` of several entries into plain host memory in one native call on ``threads``
     threads without the GIL (``gdskv.io.batch.copy_many``), or one by one where the extension is
     not built. ``ValueError`` when a page's sizes do not add up or a segment is not contiguous
-    host memory (nothing copied then)."""
+    host memory (nothing copied then). ``checked``: the caller has made sure of all that already
+    (``KvService`` for the host-tier hits it serves: CPU segments, ``payload_nbytes`` of them equal
+    to the entry's size), so no page is looked at twice."""
     if not batchio.available():
         for buf, segments in pairs:
             scatter(buf, segments)
         return
+    if not checked:
+        for buf, segments in pairs:
+            if not all(s.device.type == "cpu" and s.is_contiguous() for s in segments):
+                raise ValueError("scatter_many copies into contiguous host memory only")
+            total = sum(s.nbytes for s in segments)
+            if total != buf.numel():
+                raise ValueError(f"page segments of {total} bytes for a buffer of {buf.numel()}")
+    batchio.copy_many(scatter_copies(pairs), threads)
+
+
+def scatter_copies(pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]]) -> list[tuple[int, int, int]]:
+    """The host-memory copies ``(dst, src, length)`` that scatter each flat buffer into its page's
+    segments (contiguous host memory adding up to the buffer: the caller made sure), for
+    ``copy_many`` (``scatter_many``) or ``copy_later`` (``KvService``'s asynchronous hits)."""
     copies = []
     for buf, segments in pairs:
-        if not all(s.device.type == "cpu" and s.is_contiguous() for s in segments):
-            raise ValueError("scatter_many copies into contiguous host memory only")
-        sizes = [s.numel() * s.element_size() for s in segments]
-        if sum(sizes) != buf.numel():
-            raise ValueError(f"page segments of {sum(sizes)} bytes for a buffer of {buf.numel()}")
         src = buf.data_ptr()
-        for s, n in zip(segments, sizes):
+        for s in segments:
+            n = s.nbytes
             copies.append((s.data_ptr(), src, n))
             src += n
-    batchio.copy_many(copies, threads)
+    return copies
 
 
 def _move(buf: torch.Tensor, segments: Sequence[torch.Tensor], into_segments: bool) -> None:

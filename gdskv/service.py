@@ -45,8 +45,8 @@ from typing import Any, Callable, Optional, Sequence
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import install_budget
 from gdskv.garbage import collect_in_background
-from gdskv.hosttier import (Borrowed, HostTier, Put, Reserved, TierConfigError, payload_nbytes, scatter, scatter_many,
-                             tier_bytes)
+from gdskv.hosttier import (Borrowed, HostTier, Put, Reserved, TierConfigError, payload_nbytes, scatter,
+                             scatter_copies, scatter_many, tier_bytes)
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
 from gdskv.metrics import ServiceMetrics, attach, engine_of
@@ -343,11 +343,13 @@ class KvService:
     def load_many(self, group: int, items: Sequence[tuple[bytes, Sequence[Any]]], ready: Optional[Any] = None,
                   shard: Optional[int] = None, background: bool = False) -> list[Optional["Future[LoadStatus]"]]:
         """``load`` for a step's pages of one layer group at once (``(key, segments)`` each, one
-        ``ready`` for all), as the workers post them at ``start_load_kv``: host-tier hits are
-        served page by page, the rest go to the transfer as one batch (a few thread hand-offs,
-        not one per page). One future per page, in order. ``background``: an asynchronous load,
-        no forward pass waits for it: its hits are copied on the copy threads, never on the
-        caller's, and its disk reads run on the background transfer threads."""
+        ``ready`` for all), as the workers post them at ``start_load_kv``: host-tier hits into
+        plain host memory are copied in one native call (``_hits_now``; device pages, or pages
+        behind a ``ready``, one by one on the copy threads), the rest go to the transfer as one
+        batch (a few thread hand-offs, not one per page). One future per page, in order.
+        ``background``: an asynchronous load, no forward pass waits for it: nothing is copied on
+        the caller's thread; its hits into host memory are copied natively and finished by the
+        ``reap`` between steps (``_hits_native``), its disk reads run on the background path."""
         rank = self.spec.tp_rank if shard is None else shard
         transfer = self.transfers.get(rank)
         if transfer is None:
@@ -364,13 +366,16 @@ class KvService:
             sizes = [payload_nbytes(segments) for _, segments in pages]
             lents = self._borrow_many(rank, group, [key for key, _ in pages], sizes)
             misses: list[int] = []
+            later: list[tuple[int, bytes, Borrowed, list[Any]]] = []
             for i, ((key, segments), lent) in enumerate(zip(pages, lents)):
                 if lent is None:
                     misses.append(i)
-                elif ready is None and not background and all(s.is_cpu for s in segments):
-                    now.append((i, key, lent, segments))
+                elif ready is None and all(s.is_cpu for s in segments):
+                    (later if background else now).append((i, key, lent, segments))
                 else:
                     out[i] = self._hit_later(rank, lent, segments, ready, nbytes, t0)
+            for i, _, lent, segments in self._hits_native(rank, transfer, later, out, nbytes, t0):
+                out[i] = self._hit_later(rank, lent, segments, None, nbytes, t0)
             slots = self._reserve_many(rank, group, [pages[i][0] for i in misses], [sizes[i] for i in misses])
             disk = [(i, pages[i][0], pages[i][1], slot) for i, slot in zip(misses, slots)]
         if now:
@@ -460,7 +465,7 @@ class KvService:
         the disk."""
         failed: list[tuple[int, bytes, list[Any]]] = []
         try:
-            scatter_many([(lent.buf, segments) for _, _, lent, segments in hits], HIT_COPY_THREADS)
+            scatter_many([(lent.buf, segments) for _, _, lent, segments in hits], HIT_COPY_THREADS, checked=True)
         except Exception:  # page by page instead, each failure read from the disk
             kept = []
             for hit in hits:
@@ -486,6 +491,40 @@ class KvService:
         shared.add("host_hit_bytes", k * size)
         self._observe("load", rank, k, t0)
         return failed
+
+    def _hits_native(self, rank: int, transfer: PageTransfer, hits: list[tuple[int, bytes, Borrowed, list[Any]]],
+                     out: list[Optional[Future]], nbytes: int, t0: float) -> list[tuple[int, bytes, Borrowed, list[Any]]]:
+        """An asynchronous load's host-tier hits into plain host memory, copied on native threads
+        (``PageTransfer.copy_later``) and finished, like its disk reads, by the ``reap`` between
+        steps: one future for them all, no Python thread per page competing with the serving
+        loop. Returns the hits that could not start that way (no native path), for
+        ``_hit_later``."""
+        if not hits:
+            return hits
+        k, size = len(hits), hits[0][2].buf.numel()
+        shared = self.namespaces[rank].counters
+
+        def done() -> None:
+            self.host.release_many([lent for _, _, lent, _ in hits])
+            with self._lock:
+                self._inflight -= k
+                self._add({"loads_loaded": k, "bytes_loaded": k * nbytes, "host_hits": k, "host_hit_bytes": k * size})
+            shared.add("host_hits", k)
+            shared.add("host_hit_bytes", k * size)
+            self._observe("load", rank, k, t0)
+
+        with self._lock:
+            self._inflight += k
+            self._add({"loads_posted": k})
+        fut = transfer.copy_later(scatter_copies([(lent.buf, segments) for _, _, lent, segments in hits]), done)
+        if fut is None:
+            with self._lock:
+                self._inflight -= k
+                self._add({"loads_posted": -k})
+            return hits
+        for i, _, _, _ in hits:
+            out[i] = fut
+        return []
 
     def _hit_later(self, rank: int, lent: Borrowed, segments: list[Any], ready: Optional[Any], nbytes: int,
                    t0: float) -> Future:

@@ -625,6 +625,25 @@ class PageTransfer:
             self._background.submit(self._redo, group, jobs, sorted(rest), futures, on_done, save)
         return futures
 
+    def copy_later(self, copies: list[tuple[int, int, int]], on_done: Callable[[], None]) -> Optional[Future]:
+        """Host-memory copies ``(dst, src, length)`` (memory the caller keeps as it is until the
+        future resolves) started on native threads niced by ``background_nice``, as ``_later``
+        starts an asynchronous load: ``on_done`` runs and the returned future resolves
+        ``LOADED`` in the ``reap`` that collects them. ``KvService.load_many`` serves an
+        asynchronous load's host-tier hits this way. None where there is no native path (kvikio,
+        staging forced, closed) or it cannot start: the caller copies them its own way."""
+        if not copies or not self._later_ready():
+            return None
+        fut = batch_futures(1, self._hurried)[0]
+        fut.set_running_or_notify_cancel()
+        try:
+            self.engine.copy_later(self._completions, copies, max(1, self.depth // NATIVE_CALLERS),
+                                   self._background_nice, _Copies(fut, on_done))
+        except Exception as e:
+            log.warning("gdskv: %d host-memory copies could not start natively: %s", len(copies), e)
+            return None
+        return fut
+
     def reap(self) -> None:
         """Finish the transfers of ``_later`` that completed since the last call: verify and
         count their pages, run their ``on_done`` and resolve their futures (and so their
@@ -634,6 +653,9 @@ class PageTransfer:
         if self._completions is None:
             return
         for later, results in self.engine.collect_done(self._completions):
+            if isinstance(later, _Copies):
+                later.finish()
+                continue
             out: list[Any] = [None] * len(later.jobs)
             try:
                 if later.reads is None:
@@ -795,6 +817,21 @@ class _Later(NamedTuple):
     trailers: list[bytearray]  # the jobs' last pieces point into them
     futures: list[Future]
     on_done: Optional[DoneFn]
+
+
+class _Copies(NamedTuple):
+    """Host-memory copies in flight (``PageTransfer.copy_later``)."""
+
+    future: Future
+    on_done: Callable[[], None]
+
+    def finish(self) -> None:
+        """Run ``on_done`` (a failure is logged: the bytes are in place), then resolve."""
+        try:
+            self.on_done()
+        except Exception:
+            log.exception("gdskv: finishing host-memory copies failed")
+        resolve_many([self.future], [LoadStatus.LOADED], None)
 
 
 def _started_pool(threads: int, name: str, nice: int) -> ThreadPoolExecutor:

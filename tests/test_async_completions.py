@@ -155,6 +155,20 @@ def test_completions_hand_each_call_back_once_with_its_tag_and_wake_for_the_over
     x.close()
 
 
+def test_copies_later_are_handed_back_once_with_their_tag_and_the_bytes_in_place():
+    src = torch.randint(0, 256, (3, 3 << 20), dtype=torch.uint8)  # 3 MiB each: several pieces
+    dst = torch.zeros_like(src)
+    queue = batchio.completions()
+    batchio.copy_later(queue, [(dst[i].data_ptr(), src[i].data_ptr(), src[i].numel()) for i in range(2)], 2, 0, "two")
+    batchio.copy_later(queue, [(dst[2].data_ptr(), src[2].data_ptr(), src[2].numel())], 1, 0, "one")
+    assert queue.wait_idle(10.0)
+    assert sorted(batchio.collect(queue)) == [("one", None), ("two", None)]
+    assert batchio.collect(queue) == [] and torch.equal(dst, src)
+    with pytest.raises(TypeError):
+        batchio.copy_later(queue, [(1, 2)], 1, 0, "bad")
+    assert queue.running() == 0 and batchio.collect(queue) == []
+
+
 def test_the_native_threads_of_a_background_load_run_niced(store_path, monkeypatch):
     x = make(store_path, nice=7)
     saved(x, 2)

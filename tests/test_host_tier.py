@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -479,4 +480,66 @@ def test_cancelled_loads_give_their_tier_buffers_back_and_leave_nothing_in_fligh
     assert svc.in_flight == 0 and cancelled
     assert (c["loads_loaded"], c["loads_failed"], c["host_fills"]) == (len(ran), len(cancelled), len(ran))
     assert svc.host.used == len(ran) * PAGE and len(svc.host) == len(ran)
+    svc.close()
+
+
+def test_an_asynchronous_loads_hits_are_copied_natively_and_finished_by_the_reaping_thread(tmp_path, monkeypatch):
+    """Hits of a background load into host memory: no copy thread per page (``_hit_later`` is
+    not used), one future for all of them, resolved with the counters moved and every borrowed
+    buffer given back on the thread that reaps; misses of the same load read the disk."""
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:8])
+    for i in (2, 5):
+        assert svc.host.discard((svc.spec.tp_rank, 0, keys[i]))
+    monkeypatch.setattr(svc, "_hit_later", lambda *a: pytest.fail("a hit went to the copy threads"))
+    threads: set[int] = set()
+    outs = [empty() for _ in range(8)]
+    futures = svc.load_many(0, [(keys[i], outs[i]) for i in range(8)], background=True)
+    hits = [futures[i] for i in range(8) if i not in (2, 5)]
+    assert len({id(f) for f in hits}) == 1  # one future for the step's hits
+    for f in futures:
+        f.add_done_callback(lambda _: threads.add(threading.get_ident()))
+    deadline = time.monotonic() + 10
+    while not all(f.done() for f in futures):
+        assert time.monotonic() < deadline
+        svc.reap()
+        time.sleep(0.001)
+    assert [f.result() for f in futures] == [LoadStatus.LOADED] * 8
+    assert all(same(outs[i], page(i)) for i in range(8))
+    assert threads == {threading.get_ident()}
+    c = svc.snapshot()
+    assert (c["host_hits"], c["host_hit_bytes"], c["loads_loaded"], c["bytes_loaded"]) == (6, 6 * PAGE, 8, 8 * PAGE)
+    assert svc.namespace.counters["host_hits"] == 6 and svc.namespace.counters["loads_hit"] == 2
+    assert svc.in_flight == 0 and all(e.readers == 0 for e in svc.host._entries.values())
+    svc.close()
+
+
+def test_an_asynchronous_loads_hits_without_a_native_path_go_to_the_copy_threads(tmp_path, monkeypatch):
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:4])
+    monkeypatch.setattr(svc.transfer, "copy_later", lambda copies, on_done: None)
+    outs = [empty() for _ in range(4)]
+    futures = svc.load_many(0, [(keys[i], outs[i]) for i in range(4)], background=True)
+    assert len({id(f) for f in futures}) == 4  # a copy thread's future each
+    assert [f.result() for f in futures] == [LoadStatus.LOADED] * 4
+    assert all(same(outs[i], page(i)) for i in range(4))
+    c = svc.snapshot()
+    assert (c["host_hits"], c["loads_posted"], c["loads_loaded"]) == (4, 4, 4)
+    assert svc.in_flight == 0
+    svc.close()
+
+
+def test_an_unreaped_asynchronous_hit_resolves_for_a_caller_blocked_on_it(tmp_path, monkeypatch):
+    from gdskv import transfer
+
+    monkeypatch.setattr(transfer, "REAP_GRACE", 3600.0)
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:2])
+    outs = [empty() for _ in range(2)]
+    futures = svc.load_many(0, [(keys[i], outs[i]) for i in range(2)], background=True)
+    assert [f.result(timeout=30) for f in futures] == [LoadStatus.LOADED] * 2  # nobody reaps
+    assert all(same(outs[i], page(i)) for i in range(2)) and svc.in_flight == 0
     svc.close()

@@ -61,7 +61,8 @@
  *   passes or q.close() is called (False); q.wait_idle(timeout): until no call is running.
  *   q.write_later(root_fd, jobs, crc_fn, file_mode, chmod, sync, direct, threads, staging,
  *   staging_len, dir_mode, dir_chmod, nice, tag) does the same for write_chunks (an errno per
- *   job in collect). q.hurry(+1/-1) counts callers blocked on a result: while any is,
+ *   job in collect). q.copy_later(copies, threads, nice, tag) does the same for copy_many
+ *   (None for results in collect). q.hurry(+1/-1) counts callers blocked on a result: while any is,
  *   wait_overdue does not wait out the grace.
  * staging, staging_len (the two arguments after threads, in both): the caller's aligned memory
  *   for those buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an
@@ -974,39 +975,49 @@ static void *run_copies(void *arg) {
     return NULL;
 }
 
-static PyObject *copy_many(PyObject *self, PyObject *args) {
-    PyObject *list;
-    int threads;
-    if (!PyArg_ParseTuple(args, "Oi", &list, &threads)) return NULL;
+/* Parses [(dst, src, length), ...] into `c`'s pieces (c->items: the caller frees them). 0, or -1
+ * with the exception set. */
+static int parse_copies(PyObject *list, copies_t *c) {
     PyObject *fast = PySequence_Fast(list, "copies must be a sequence");
-    if (!fast) return NULL;
+    if (!fast) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), pieces = 0;
     unsigned long long (*spec)[3] = calloc(n ? n : 1, sizeof *spec);
     if (!spec) {
         Py_DECREF(fast);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KKK", &spec[i][0], &spec[i][1], &spec[i][2])) {
             free(spec);
             Py_DECREF(fast);
-            return NULL;
+            return -1;
         }
         pieces += (Py_ssize_t)((spec[i][2] + COPY_PIECE - 1) / COPY_PIECE);
     }
     Py_DECREF(fast);
-    copies_t c = {calloc(pieces ? pieces : 1, sizeof(copy_t)), 0, 0};
-    if (!c.items) {
+    *c = (copies_t){calloc(pieces ? pieces : 1, sizeof(copy_t)), 0, 0};
+    if (!c->items) {
         free(spec);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         for (size_t at = 0; at < spec[i][2]; at += COPY_PIECE) {
             size_t len = spec[i][2] - at < COPY_PIECE ? spec[i][2] - at : COPY_PIECE;
-            c.items[c.n++] = (copy_t){(char *)(uintptr_t)spec[i][0] + at, (const char *)(uintptr_t)spec[i][1] + at, len};
+            c->items[c->n++] = (copy_t){(char *)(uintptr_t)spec[i][0] + at, (const char *)(uintptr_t)spec[i][1] + at, len};
         }
     }
     free(spec);
+    return 0;
+}
+
+static PyObject *copy_many(PyObject *self, PyObject *args) {
+    PyObject *list;
+    int threads;
+    if (!PyArg_ParseTuple(args, "Oi", &list, &threads)) return NULL;
+    copies_t c;
+    if (parse_copies(list, &c) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     run_on(run_copies, &c, threads_for(threads, c.n));
     Py_END_ALLOW_THREADS
@@ -1040,6 +1051,8 @@ typedef struct later_s {
     struct later_s *next;
     struct completions_s *q;
     batch_t b;
+    copies_t copies;  /* a copy_later call's (then b is unused) */
+    int is_copy;
     int threads, nice, done;
     double done_at;   /* CLOCK_MONOTONIC seconds, once done */
     PyObject *tag;    /* touched with the GIL only */
@@ -1075,6 +1088,11 @@ static void finish_later(later_t *l) {
     pthread_mutex_unlock(&q->mu);
 }
 
+static void run_work(later_t *l) {
+    if (l->is_copy) run_on(run_copies, &l->copies, threads_for(l->threads, l->copies.n));
+    else run_threads(&l->b, l->threads);
+}
+
 static void *run_later(void *arg) {
     later_t *l = arg;
     if (l->nice > 0) {  /* this thread's nice value; the workers it starts inherit it */
@@ -1083,7 +1101,7 @@ static void *run_later(void *arg) {
         int now = getpriority(PRIO_PROCESS, (id_t)tid);
         if (errno == 0) setpriority(PRIO_PROCESS, (id_t)tid, now + l->nice > 19 ? 19 : now + l->nice);
     }
-    run_threads(&l->b, l->threads);
+    run_work(l);
     finish_later(l);
     return NULL;
 }
@@ -1113,19 +1131,8 @@ static void completions_dealloc(PyObject *self) {
     Py_TYPE(self)->tp_free(self);
 }
 
-/* Parses `list` into b's jobs and queues them as a call of its own, then starts its threads. */
-static PyObject *start_later(completions_t *q, batch_t b, PyObject *list, int threads, int nice, PyObject *tag) {
-    if (!b.crc) {
-        PyErr_SetString(PyExc_ValueError, "a later call needs crc32c_extend");
-        return NULL;
-    }
-    later_t *l = calloc(1, sizeof *l);
-    if (!l) return PyErr_NoMemory();
-    if (!(b.jobs = parse_jobs(list, &b.n, b.writes))) {
-        free(l);
-        return NULL;
-    }
-    l->b = b;
+/* Queues `l` (its work parsed) as a call of its own, then starts its thread. */
+static PyObject *queue_later(completions_t *q, later_t *l, int threads, int nice, PyObject *tag) {
     l->q = q;
     l->threads = threads;
     l->nice = nice;
@@ -1145,11 +1152,41 @@ static PyObject *start_later(completions_t *q, batch_t b, PyObject *list, int th
     pthread_attr_destroy(&attr);
     if (!started) {  /* no thread to spare: the work runs here, and is collected as any other */
         Py_BEGIN_ALLOW_THREADS
-        run_threads(&l->b, l->threads);
+        run_work(l);
         Py_END_ALLOW_THREADS
         finish_later(l);
     }
     Py_RETURN_NONE;
+}
+
+/* Parses `list` into b's jobs and queues them as a call of its own. */
+static PyObject *start_later(completions_t *q, batch_t b, PyObject *list, int threads, int nice, PyObject *tag) {
+    if (!b.crc) {
+        PyErr_SetString(PyExc_ValueError, "a later call needs crc32c_extend");
+        return NULL;
+    }
+    later_t *l = calloc(1, sizeof *l);
+    if (!l) return PyErr_NoMemory();
+    if (!(b.jobs = parse_jobs(list, &b.n, b.writes))) {
+        free(l);
+        return NULL;
+    }
+    l->b = b;
+    return queue_later(q, l, threads, nice, tag);
+}
+
+static PyObject *completions_copy_later(PyObject *self, PyObject *args) {
+    PyObject *list, *tag;
+    int threads, nice;
+    if (!PyArg_ParseTuple(args, "OiiO", &list, &threads, &nice, &tag)) return NULL;
+    later_t *l = calloc(1, sizeof *l);
+    if (!l) return PyErr_NoMemory();
+    if (parse_copies(list, &l->copies) < 0) {
+        free(l);
+        return NULL;
+    }
+    l->is_copy = 1;
+    return queue_later((completions_t *)self, l, threads, nice, tag);
 }
 
 static PyObject *completions_read_later(PyObject *self, PyObject *args) {
@@ -1210,8 +1247,8 @@ static PyObject *completions_collect(PyObject *self, PyObject *noargs) {
     while (done) {
         later_t *l = done;
         done = l->next;
-        PyObject *results = out ? PyList_New(l->b.n) : NULL;
-        for (Py_ssize_t i = 0; results && i < l->b.n; i++) {
+        PyObject *results = !out ? NULL : l->is_copy ? Py_NewRef(Py_None) : PyList_New(l->b.n);
+        for (Py_ssize_t i = 0; results && !l->is_copy && i < l->b.n; i++) {
             job_t *j = &l->b.jobs[i];
             PyObject *r = l->b.writes ? PyLong_FromLong(j->err) : Py_BuildValue("(iIi)", j->err, j->crc, j->verified);
             if (!r) Py_CLEAR(results);
@@ -1222,7 +1259,8 @@ static PyObject *completions_collect(PyObject *self, PyObject *noargs) {
         if (!pair || PyList_Append(out, pair) < 0) Py_CLEAR(out);
         Py_XDECREF(pair);
         Py_DECREF(l->tag);
-        free_jobs(l->b.jobs, l->b.n);
+        if (l->is_copy) free(l->copies.items);
+        else free_jobs(l->b.jobs, l->b.n);
         free(l);
         Py_DECREF(self);
     }
@@ -1291,6 +1329,7 @@ static PyObject *completions_running(PyObject *self, PyObject *noargs) {
 static PyMethodDef completions_methods[] = {
     {"read_later", completions_read_later, METH_VARARGS, "Start a read_chunks call; its results are collected later."},
     {"write_later", completions_write_later, METH_VARARGS, "Start a write_chunks call; its errnos are collected later."},
+    {"copy_later", completions_copy_later, METH_VARARGS, "Start a copy_many call; collected later (results None)."},
     {"hurry", completions_hurry, METH_VARARGS,
      "Add to the count of callers blocked on a result (wait_overdue does not wait out the grace while positive)."},
     {"collect", completions_collect, METH_NOARGS, "[(tag, results)] of every call finished and not yet collected."},

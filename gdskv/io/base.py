@@ -114,9 +114,16 @@ class IoEngine(abc.ABC):
         sealed natively (``gdskv.io.batch.write_later``)."""
         raise NotImplementedError
 
-    def collect_done(self, completions: Any) -> list[tuple[Any, list]]:
-        """``(tag, results)`` of each ``read_chunks_later``/``write_chunks_later`` on
-        ``completions`` finished since the last call, without waiting."""
+    def copy_later(self, completions: Any, copies: Sequence[tuple[int, int, int]], threads: int, nice: int,
+                   tag: Any) -> None:
+        """Host-memory copies ``(dst, src, length)`` started as ``read_chunks_later`` starts
+        reads (None for results). Called by the transfer layer for host-tier hits of
+        asynchronous loads, only where ``batches_chunks``."""
+        raise NotImplementedError
+
+    def collect_done(self, completions: Any) -> list[tuple[Any, Optional[list]]]:
+        """``(tag, results)`` of each ``read_chunks_later``/``write_chunks_later``/``copy_later``
+        on ``completions`` finished since the last call, without waiting."""
         raise NotImplementedError
 
     def write_chunks_now(self, root_fd: int, jobs: Sequence[tuple[str, str, str, Sequence[tuple[int, int]]]],

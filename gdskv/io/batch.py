@@ -89,8 +89,9 @@ def read_chunks(root_fd: int, jobs: Sequence[tuple], direct: bool, threads: int 
 
 
 def completions() -> Any:
-    """A queue of reads and writes that finish on threads of their own (``read_later``,
-    ``write_later``) and are collected without waiting (``collect``): ``_batchio.Completions``.
+    """A queue of reads, writes and copies that finish on threads of their own (``read_later``,
+    ``write_later``, ``copy_later``) and are collected without waiting (``collect``):
+    ``_batchio.Completions``.
     Made by ``PageTransfer`` for its saves and asynchronous loads, where ``available``."""
     return _batchio.Completions()
 
@@ -114,12 +115,22 @@ def write_later(queue: Any, root_fd: int, jobs: Sequence[tuple], file_mode: int,
                       dir_chmod, nice, tag)
 
 
-def collect(queue: Any) -> list[tuple[Any, list]]:
-    """``(tag, results)`` of every ``read_later``/``write_later`` of ``queue`` finished since the
-    last collect (a ``ReadResult`` per read job, an errno per write job, as ``read_chunks`` and
-    ``write_chunks`` give them), without waiting for the others."""
+def copy_later(queue: Any, copies: Sequence[tuple[int, int, int]], threads: int, nice: int, tag: Any) -> None:
+    """``copy_many`` started as ``read_later`` starts reads (None for results in ``collect``).
+    Called by ``PageTransfer.copy_later`` for host-tier hits of asynchronous loads."""
+    queue.copy_later(list(copies), threads, nice, tag)
+
+
+def collect(queue: Any) -> list[tuple[Any, Optional[list]]]:
+    """``(tag, results)`` of every ``read_later``/``write_later``/``copy_later`` of ``queue``
+    finished since the last collect (a ``ReadResult`` per read job, an errno per write job, as
+    ``read_chunks`` and ``write_chunks`` give them; None for copies), without waiting for the
+    others."""
     out = []
     for tag, results in queue.collect():
+        if results is None:
+            out.append((tag, None))
+            continue
         if results and type(results[0]) is tuple:
             results = [ReadResult(err, crc, verified == 1) for err, crc, verified in results]
             _note([r.err for r in results])

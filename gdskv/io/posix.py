@@ -132,7 +132,11 @@ class PosixEngine(IoEngine):
                 self._batch_buffers.put(buf)
             raise
 
-    def collect_done(self, completions: Any) -> list[tuple[Any, list]]:
+    def copy_later(self, completions: Any, copies: Sequence[tuple[int, int, int]], threads: int, nice: int,
+                   tag: Any) -> None:
+        batchio.copy_later(completions, copies, threads, nice, (tag, None))
+
+    def collect_done(self, completions: Any) -> list[tuple[Any, Optional[list]]]:
         out = []
         for (tag, buf), results in batchio.collect(completions):
             if buf is not None:
