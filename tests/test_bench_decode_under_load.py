@@ -1,5 +1,6 @@
 """``scripts/bench_decode_under_load.py`` at a toy size, in a subprocess: every mode runs end to
-end on a real store (the restored request's prefix served from it), pinned or not, and a bad
+end on a real store (the restored request's prefix served from it; ``hot`` from the worker's host
+tier), pinned or not, and a bad
 argument is one line with exit code 2."""
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ def test_a_toy_run_restores_the_prefix_in_every_mode(tmp_path, pin):
     assert got.returncode == 0, got.stderr[-2000:]
     report = json.loads(got.stdout)
     by_mode = {r["mode"]: r for r in report["rows"]}
-    assert report["pinned"] is pin and set(by_mode) == {"none", "async", "sync"}
-    for mode in ("async", "sync"):  # the whole stored prefix served, from the store
+    assert report["pinned"] is pin and set(by_mode) == {"none", "async", "hot", "sync"}
+    for mode in ("async", "hot", "sync"):  # the whole stored prefix served, from the store
         assert by_mode[mode]["loaded"] == 256 and by_mode[mode]["bytes"] > 0
-    assert by_mode["async"]["window_steps"] >= 1 and by_mode["none"]["loaded"] == 0
+    assert by_mode["hot"]["host_hits"] == 256 // 64 and by_mode["async"]["host_hits"] == 0  # hot: from host memory
+    assert by_mode["async"]["window_steps"] >= 1 and by_mode["hot"]["window_steps"] >= 1 and by_mode["none"]["loaded"] == 0
     if sys.platform.startswith("linux"):  # the hypervisor's share of the CPU time, as /proc/stat counts it
         assert all(0.0 <= r["steal_pct"] <= 100.0 for r in report["rows"])
 
