@@ -385,6 +385,22 @@ def scatter_copies(pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]])
     return copies
 
 
+def scatter_all(pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], threads: int) -> None:
+    """``scatter`` of several entries, wherever their pages are: those in plain host memory in one
+    ``scatter_many``, the others' copies all queued before one wait per device (not one per page).
+    Returns once every byte is in place. Called on a copy thread (``KvService._hits_after``)."""
+    host = [(buf, segments) for buf, segments in pairs if all(s.device.type == "cpu" for s in segments)]
+    if host:
+        scatter_many(host, threads)
+    queued: list[torch.Tensor] = []
+    try:
+        for buf, segments in pairs:
+            if not all(s.device.type == "cpu" for s in segments):
+                queued += _queue(buf, segments, into_segments=True)
+    finally:  # the buffers go back after this: no copy may still read them
+        _wait_for_devices(queued)
+
+
 def _move(buf: torch.Tensor, segments: Sequence[torch.Tensor], into_segments: bool) -> None:
     sizes = [s.numel() * s.element_size() for s in segments]
     if not all(s.is_contiguous() for s in segments):
@@ -402,8 +418,18 @@ def _move(buf: torch.Tensor, segments: Sequence[torch.Tensor], into_segments: bo
                 ctypes.memmove(off, s.data_ptr(), n)
             off += n
         return
-    off = 0
+    _wait_for_devices(_queue(buf, segments, into_segments))
+
+
+def _queue(buf: torch.Tensor, segments: Sequence[torch.Tensor], into_segments: bool) -> list[torch.Tensor]:
+    """The copies between ``buf`` and ``segments`` queued on this thread's current streams (device
+    copies do not wait); the flat views copied, for ``_wait_for_devices``. ``ValueError`` when the
+    sizes do not add up or a segment is not contiguous (nothing queued then)."""
     parts = [_flat(s) for s in segments]
+    total = sum(p.numel() for p in parts)
+    if total != buf.numel():
+        raise ValueError(f"page segments of {total} bytes for a buffer of {buf.numel()}")
+    off = 0
     for p in parts:
         piece = buf[off:off + p.numel()]
         if into_segments:
@@ -411,7 +437,7 @@ def _move(buf: torch.Tensor, segments: Sequence[torch.Tensor], into_segments: bo
         else:
             piece.copy_(p, non_blocking=p.is_cuda)
         off += p.numel()
-    _wait_for_devices(parts)
+    return parts
 
 
 def _wait_for_devices(parts: Sequence[Any]) -> None:

@@ -46,7 +46,7 @@ from gdskv.config import GdsKvConfig
 from gdskv.eviction import install_budget
 from gdskv.garbage import collect_in_background
 from gdskv.hosttier import (Borrowed, HostTier, Put, Reserved, TierConfigError, payload_nbytes, scatter,
-                             scatter_copies, scatter_many, tier_bytes)
+                             scatter_all, scatter_copies, scatter_many, tier_bytes)
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
 from gdskv.metrics import ServiceMetrics, attach, engine_of
@@ -65,7 +65,8 @@ HIT_COPY_THREADS = min(4, os.cpu_count() or 1)
 memcpy is far from a socket's memory bandwidth."""
 HOST_COPY_THREADS = 2
 """Threads that copy host-tier hits into pages that must first wait for the engine's stream, or
-that live in device memory (hits into plain host memory are copied on the caller's thread)."""
+that live in device memory, a step's hits per task (hits into plain host memory are copied on
+the caller's thread, or for asynchronous loads natively: ``KvService._hits_native``)."""
 LINEAGE_CAPACITY = 1 << 16
 """How many ``block -> parent`` links ``KvService.lineage`` remembers."""
 
@@ -345,8 +346,9 @@ class KvService:
         """``load`` for a step's pages of one layer group at once (``(key, segments)`` each, one
         ``ready`` for all), as the workers post them at ``start_load_kv``: host-tier hits into
         plain host memory are copied in one native call (``_hits_now``; device pages, or pages
-        behind a ``ready``, one by one on the copy threads), the rest go to the transfer as one
-        batch (a few thread hand-offs, not one per page). One future per page, in order.
+        behind a ``ready``, in one task on a copy thread: ``_hits_after``), the rest go to the
+        transfer as one batch (a few thread hand-offs, not one per page). One future per page,
+        in order (a step's hits share one).
         ``background``: an asynchronous load, no forward pass waits for it: nothing is copied on
         the caller's thread; its hits into host memory are copied natively and finished by the
         ``reap`` between steps (``_hits_native``), its disk reads run on the background path."""
@@ -367,15 +369,16 @@ class KvService:
             lents = self._borrow_many(rank, group, [key for key, _ in pages], sizes)
             misses: list[int] = []
             later: list[tuple[int, bytes, Borrowed, list[Any]]] = []
+            after: list[tuple[int, bytes, Borrowed, list[Any]]] = []
             for i, ((key, segments), lent) in enumerate(zip(pages, lents)):
                 if lent is None:
                     misses.append(i)
                 elif ready is None and all(s.is_cpu for s in segments):
                     (later if background else now).append((i, key, lent, segments))
                 else:
-                    out[i] = self._hit_later(rank, lent, segments, ready, nbytes, t0)
-            for i, _, lent, segments in self._hits_native(rank, transfer, later, out, nbytes, t0):
-                out[i] = self._hit_later(rank, lent, segments, None, nbytes, t0)
+                    after.append((i, key, lent, segments))
+            self._hits_after(rank, after, ready, out, nbytes, t0)
+            self._hits_after(rank, self._hits_native(rank, transfer, later, out, nbytes, t0), None, out, nbytes, t0)
             slots = self._reserve_many(rank, group, [pages[i][0] for i in misses], [sizes[i] for i in misses])
             disk = [(i, pages[i][0], pages[i][1], slot) for i, slot in zip(misses, slots)]
         if now:
@@ -498,7 +501,7 @@ class KvService:
         (``PageTransfer.copy_later``) and finished, like its disk reads, by the ``reap`` between
         steps: one future for them all, no Python thread per page competing with the serving
         loop. Returns the hits that could not start that way (no native path), for
-        ``_hit_later``."""
+        ``_hits_after``."""
         if not hits:
             return hits
         k, size = len(hits), hits[0][2].buf.numel()
@@ -526,32 +529,54 @@ class KvService:
             out[i] = fut
         return []
 
-    def _hit_later(self, rank: int, lent: Borrowed, segments: list[Any], ready: Optional[Any], nbytes: int,
-                   t0: float) -> Future:
-        """A host-tier hit copied on a copy thread, after ``ready``: into device memory, or into
-        pages the engine's stream may still be using. The future resolves once the bytes are in
-        the page."""
-        size = lent.buf.numel()
+    def _hits_after(self, rank: int, hits: list[tuple[int, bytes, Borrowed, list[Any]]], ready: Optional[Any],
+                    out: list[Optional[Future]], nbytes: int, t0: float) -> None:
+        """A step's host-tier hits copied on a copy thread, after ``ready``, in one task: into
+        device memory (every copy queued, then one wait per device: ``scatter_all``), into pages
+        the engine's stream may still be using, or where no native path takes them. One future
+        for them all, resolved once every byte is in its page; cancelled before the copy thread
+        reached it, the hits' buffers go back and the pages count as failed."""
+        if not hits:
+            return
+        k, size = len(hits), sum(lent.buf.numel() for _, _, lent, _ in hits)
+        lents = [lent for _, _, lent, _ in hits]
         shared = self.namespaces[rank].counters
-        hit = {"host_hits": 1, "host_hit_bytes": size}
 
         def copy() -> LoadStatus:
-            with lent as buf:
+            try:
                 if ready is not None:
                     ready.synchronize()
-                scatter(buf, segments)
-            shared.add("host_hits")
+                scatter_all([(lent.buf, segments) for _, _, lent, segments in hits], HIT_COPY_THREADS)
+            finally:
+                self.host.release_many(lents)
+            shared.add("host_hits", k)
             shared.add("host_hit_bytes", size)
             return LoadStatus.LOADED
 
-        self._posted(loads_posted=1)
+        def count(f: Future) -> None:
+            if f.cancelled():
+                self.host.release_many(lents)
+            loaded = not f.cancelled() and f.exception() is None and f.result() is LoadStatus.LOADED
+            self._observe("load", rank, k, t0)
+            with self._lock:
+                self._inflight -= k
+                if loaded:
+                    self._add({"loads_loaded": k, "bytes_loaded": k * nbytes, "host_hits": k, "host_hit_bytes": size})
+                else:
+                    self._add({"loads_failed": k})
+
+        with self._lock:
+            self._inflight += k
+            self._add({"loads_posted": k})
         try:
             fut = self._host_copies.submit(copy)
         except RuntimeError:  # shut down (close() raced this load)
-            lent.release()
+            self.host.release_many(lents)
             fut = Future()
             fut.set_result(LoadStatus.MISSING)
-        return _counted(fut, lambda f: self._loaded(f, nbytes, t0, self.namespaces[rank], hit))
+        done = _counted(fut, count)
+        for i, _, _, _ in hits:
+            out[i] = done
 
     def _reserve_many(self, rank: int, group: int, keys: list[bytes], sizes: list[Optional[int]]) -> list[Optional[Reserved]]:
         """Host-tier buffers for a step's pages about to be read from the disk (the transfer

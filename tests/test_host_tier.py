@@ -396,6 +396,45 @@ def test_a_hit_writes_the_page_only_after_its_readiness(tmp_path):
     svc.close()
 
 
+def test_a_steps_hits_behind_a_readiness_wait_for_it_once_and_are_copied_in_one_task(tmp_path):
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:4])
+    gate, waits = Gate(), []
+    gate.synchronize = lambda sync=gate.synchronize: (waits.append(1), sync())[1]
+    outs = [empty() for _ in range(4)]
+    futures = svc.load_many(0, [(keys[i], outs[i]) for i in range(4)], ready=gate)
+    assert gate.waited.wait(10)
+    assert not any(f.done() for f in futures) and all(int(s.count_nonzero()) == 0 for o in outs for s in o)
+    gate.event.set()
+    assert [f.result(timeout=10) for f in futures] == [LoadStatus.LOADED] * 4
+    assert all(same(outs[i], page(i)) for i in range(4)) and waits == [1]
+    c = svc.snapshot()
+    assert (c["host_hits"], c["loads_loaded"], c["bytes_loaded"], svc.in_flight) == (4, 4, 4 * PAGE, 0)
+    assert svc.namespace.counters["host_hits"] == 4
+    svc.close()
+
+
+def test_hits_cancelled_before_a_copy_thread_reached_them_give_their_buffers_back(tmp_path):
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:3])
+    gates = [Gate() for _ in range(2)]  # both copy threads held
+    held = [svc.load_many(0, [(keys[i], empty())], ready=gates[i]) for i in range(2)]
+    assert all(g.waited.wait(10) for g in gates)
+    out = empty()
+    queued = svc.load_many(0, [(keys[2], out)], ready=Gate())
+    assert queued[0].cancel()
+    for g in gates:
+        g.event.set()
+    assert [f[0].result(timeout=10) for f in held] == [LoadStatus.LOADED] * 2
+    assert all(int(s.count_nonzero()) == 0 for s in out)  # never copied
+    c = svc.snapshot()
+    assert (c["loads_loaded"], c["loads_failed"], c["host_hits"], svc.in_flight) == (2, 1, 2, 0)
+    assert all(e.readers == 0 for e in svc.host._entries.values())
+    svc.close()
+
+
 def test_loads_and_saves_from_many_threads_serve_only_their_own_bytes(tmp_path):
     svc = KvService(cfg_at(tmp_path, host_bytes=5 * PAGE), spec())
     keys = svc.keys(list(range(1000, 1000 + 24 * TPB + 1)))
@@ -492,7 +531,7 @@ def test_an_asynchronous_loads_hits_are_copied_natively_and_finished_by_the_reap
     save_all(svc, keys[:8])
     for i in (2, 5):
         assert svc.host.discard((svc.spec.tp_rank, 0, keys[i]))
-    monkeypatch.setattr(svc, "_hit_later", lambda *a: pytest.fail("a hit went to the copy threads"))
+    monkeypatch.setattr(svc, "_hits_after", lambda rank, hits, *a: hits and pytest.fail("a hit went to the copy threads"))
     threads: set[int] = set()
     outs = [empty() for _ in range(8)]
     futures = svc.load_many(0, [(keys[i], outs[i]) for i in range(8)], background=True)
@@ -521,9 +560,11 @@ def test_an_asynchronous_loads_hits_without_a_native_path_go_to_the_copy_threads
     save_all(svc, keys[:4])
     monkeypatch.setattr(svc.transfer, "copy_later", lambda copies, on_done: None)
     outs = [empty() for _ in range(4)]
+    threads: set[int] = set()
     futures = svc.load_many(0, [(keys[i], outs[i]) for i in range(4)], background=True)
-    assert len({id(f) for f in futures}) == 4  # a copy thread's future each
-    assert [f.result() for f in futures] == [LoadStatus.LOADED] * 4
+    futures[0].add_done_callback(lambda _: threads.add(threading.get_ident()))
+    assert len({id(f) for f in futures}) == 1  # one task on a copy thread for the step's hits
+    assert [f.result(timeout=10) for f in futures] == [LoadStatus.LOADED] * 4  # nobody reaps
     assert all(same(outs[i], page(i)) for i in range(4))
     c = svc.snapshot()
     assert (c["host_hits"], c["loads_posted"], c["loads_loaded"]) == (4, 4, 4)
