@@ -209,6 +209,35 @@ def test_saves_are_sealed_natively_exactly_as_python_seals_them_and_finished_by_
     x.close()
 
 
+@pytest.mark.parametrize("nbytes", [3 * 4096 + 64, 3 * 4096 - 64, 2 * 4096, 100])
+@pytest.mark.parametrize("aligned", [False, True], ids=["torch", "aligned"])
+def test_a_save_staged_for_o_direct_is_sealed_in_that_pass_exactly_as_python_seals_it(store_path, nbytes, aligned):
+    """Payload ends past the last whole block, the trailer straddling it, a block-aligned payload,
+    no whole block at all; pages in plain torch memory (staged) and in aligned memory (written in
+    place), each page as two segments: every chunk byte-identical to Python's, and loads back."""
+    from gdskv import checksum
+    from gdskv import format as fmt
+    from gdskv.bench import page_pool
+
+    ns = PageStore.open(store_path).namespace(NamespaceSpec(f"later/{nbytes}", "uint8", 16, (GroupSpec(0, nbytes, (0,)),)))
+    x = PageTransfer(ns, PosixEngine(threads=1, o_direct=True), threads=4, background_nice=0)
+    pool = page_pool(4, nbytes, "hugepage") if aligned else torch.empty(4, nbytes, dtype=torch.uint8)
+    pool.copy_(torch.randint(0, 256, (4, nbytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes)))
+    half = nbytes // 2
+    futures = x.save_pages(0, [(KEYS[i], KEYS[i - 1] if i else None, [pool[i, :half], pool[i, half:]]) for i in range(4)])
+    wait_reaping(x, futures)
+    assert [f.result() for f in futures] == [SaveStatus.PUBLISHED] * 4
+    for i in range(4):
+        raw = Path(ns.chunk_path(0, KEYS[i])).read_bytes()
+        assert raw[:nbytes] == bytes(pool[i].numpy())
+        assert raw[nbytes:] == checksum.seal([pool[i]], group=0, store_key=ns.store_key(0, KEYS[i]), block_key=KEYS[i],
+                                             parent_key=KEYS[i - 1] if i else None, algo=fmt.CHECKSUM_CRC32C)
+    back = torch.zeros(4, nbytes, dtype=torch.uint8)
+    assert [f.result(timeout=30) for f in x.load_pages(0, [(KEYS[i], [back[i]]) for i in range(4)])] == [LoadStatus.LOADED] * 4
+    assert torch.equal(back, pool)
+    x.close()
+
+
 def test_authenticated_saves_carry_their_mac_and_load_back(store_path):
     ns = PageStore.open(store_path).namespace(NamespaceSpec("later/m", "float16", 16, (GroupSpec(0, PAGE, (0,)),)))
     key = b"k" * 32

@@ -31,8 +31,9 @@
  *   dir_chmod) -> list[err]
  *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces[, seal]), ...]; writes the pieces end to
  *   end into dir/tmp (created exclusively), optionally fsyncs it, and renames it to dir/name. A
- *   job with seal true is sealed first (seal()): its last piece, a trailer packed with a zero
- *   payload checksum, gets the payload's CRC32C and its own, so no Python reads the page. A
+ *   job with seal true is sealed first (seal(), or stage_sealed in the pass that stages it): its
+ *   last piece, a trailer packed with a zero payload checksum, gets the payload's CRC32C and its
+ *   own, so no Python reads the page. A
  *   missing dir is made first, with its parents (dir_mode, or -1: ENOENT instead), so the first
  *   saves into a new store take this path too.
  *   direct: the file's whole 4 KiB blocks go out with O_DIRECT (from the pieces where they are
@@ -387,11 +388,9 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
     close(fd);
 }
 
-/* The leading whole blocks of a chunk, written with O_DIRECT on `fd` (O_DIRECT is set for the
- * call and cleared after): from the pieces themselves when every piece before the cut is
- * aligned, else copied into `staging` (at least `cut` bytes, aligned). 0, or an errno. */
-static int write_head_direct(int fd, job_t *j, size_t cut, char *staging) {
-    struct iovec iov[MAX_PIECES];
+/* Whether the pieces before `cut` are aligned and end exactly at it: the leading whole blocks of
+ * a chunk can then be written with O_DIRECT from the pieces themselves (in `iov`, `*n` of them). */
+static int head_in_place(job_t *j, size_t cut, struct iovec *iov, int *n) {
     int k = 0;
     size_t covered = 0;
     while (k < j->npieces && covered < cut && aligned(&j->pieces[k]) && covered + j->pieces[k].iov_len <= cut) {
@@ -399,10 +398,20 @@ static int write_head_direct(int fd, job_t *j, size_t cut, char *staging) {
         covered += j->pieces[k].iov_len;
         k++;
     }
-    int n = k;
-    if (covered < cut) {
+    *n = k;
+    return covered == cut;
+}
+
+/* The leading whole blocks of a chunk, written with O_DIRECT on `fd` (O_DIRECT is set for the
+ * call and cleared after): from the pieces themselves when every piece before the cut is
+ * aligned, else from `staging` (at least `cut` bytes, aligned), copied there now unless
+ * `staged` (stage_sealed did). 0, or an errno. */
+static int write_head_direct(int fd, job_t *j, size_t cut, char *staging, int staged) {
+    struct iovec iov[MAX_PIECES];
+    int n;
+    if (staged || !head_in_place(j, cut, iov, &n)) {
         size_t pos = 0;
-        for (int i = 0; i < j->npieces && pos < cut; i++) {
+        for (int i = 0; !staged && i < j->npieces && pos < cut; i++) {
             size_t take = j->pieces[i].iov_len;
             if (take > cut - pos) take = cut - pos;
             memcpy(staging + pos, j->pieces[i].iov_base, take);
@@ -499,21 +508,62 @@ static void put_le(unsigned char *p, uint64_t v, int n) {
     for (int i = 0; i < n; i++) p[i] = (unsigned char)(v >> (8 * i));
 }
 
-/* A version 2 CRC32C trailer completed from the payload it follows (gdskv.format.pack): the
- * payload's CRC32C at byte 24 (zero-extended to 64 bits), then the trailer's own CRC32C, taken
- * with that field zero, at byte 20. The caller packed the rest (keys, lengths, flags). */
-static void seal(job_t *j, crc_fn_t crc) {
-    uint32_t payload = 0;
-    for (int k = 0; k < j->npieces - 1; k++) payload = crc(payload, j->pieces[k].iov_base, j->pieces[k].iov_len);
+/* A version 2 CRC32C trailer completed for a payload whose CRC32C is `payload` (gdskv.format.pack):
+ * that CRC at byte 24 (zero-extended to 64 bits), then the trailer's own CRC32C, taken with that
+ * field zero, at byte 20. The caller packed the rest (keys, lengths, flags). */
+static void seal_trailer(job_t *j, uint32_t payload, crc_fn_t crc) {
     unsigned char *t = j->pieces[j->npieces - 1].iov_base;
     put_le(t + 24, payload, 8);
     put_le(t + 20, 0, 4);
     put_le(t + 20, crc(0, t, TRAILER_BYTES), 4);
 }
 
+static void seal(job_t *j, crc_fn_t crc) {
+    uint32_t payload = 0;
+    for (int k = 0; k < j->npieces - 1; k++) payload = crc(payload, j->pieces[k].iov_base, j->pieces[k].iov_len);
+    seal_trailer(j, payload, crc);
+}
+
+/* A save whose leading `cut` bytes go to the disk through `staging` (its pieces are not aligned),
+ * sealed in the pass that stages it: the payload copied into staging a STEP at a time and each
+ * step checksummed there while in cache (the payload beyond the cut where it is), then the
+ * trailer sealed and its bytes below the cut staged too. One read of the page, not two (the
+ * checksum's, then the copy's). */
+static void stage_sealed(job_t *j, size_t cut, char *staging, crc_fn_t crc) {
+    uint32_t c = 0;
+    size_t pos = 0;
+    for (int k = 0; k < j->npieces - 1; k++) {
+        const char *src = j->pieces[k].iov_base;
+        size_t len = j->pieces[k].iov_len;
+        for (size_t at = 0; at < len;) {
+            size_t n = len - at < STEP ? len - at : STEP;
+            if (pos < cut) {
+                if (n > cut - pos) n = cut - pos;
+                memcpy(staging + pos, src + at, n);
+                c = crc(c, staging + pos, n);
+            } else {
+                c = crc(c, src + at, n);
+            }
+            at += n;
+            pos += n;
+        }
+    }
+    seal_trailer(j, c, crc);
+    if (pos < cut) memcpy(staging + pos, j->pieces[j->npieces - 1].iov_base, cut - pos);
+}
+
 static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sync, int direct, char *staging,
                       int dir_mode, int dir_chmod, crc_fn_t crc) {
-    if (j->seal) seal(j, crc);
+    size_t want = total_len(j->pieces, j->npieces);
+    size_t cut = direct && staging ? want / ALIGN * ALIGN : 0;
+    struct iovec head[MAX_PIECES];
+    int nhead, staged = 0;
+    if (j->seal && cut && !head_in_place(j, cut, head, &nhead)) {
+        stage_sealed(j, cut, staging, crc);
+        staged = 1;
+    } else if (j->seal) {
+        seal(j, crc);
+    }
     int dfd = open_beneath(root, j->path, O_PATH | O_DIRECTORY, 0);
     if (dfd < 0 && errno == ENOENT && dir_mode >= 0) {
         int err = make_dirs(root, j->path, dir_mode, dir_chmod, &dfd);
@@ -533,13 +583,11 @@ static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sy
         return;
     }
     int err = 0;
-    size_t want = total_len(j->pieces, j->npieces);
-    size_t cut = direct && staging ? want / ALIGN * ALIGN : 0;
     if (do_chmod && fchmod(fd, file_mode) != 0) err = errno;
     if (!err && cut) {
         if (fallocate(fd, 0, 0, (off_t)want) != 0 && errno != EOPNOTSUPP) err = errno;
         if (!err) {
-            err = write_head_direct(fd, j, cut, staging);
+            err = write_head_direct(fd, j, cut, staging, staged);
             if (err == EINVAL) {  /* the file system refuses O_DIRECT here: all of it buffered */
                 err = 0;
                 cut = 0;
