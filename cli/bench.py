@@ -87,7 +87,7 @@ def _progress_log(options: Any, as_json: bool) -> Any:
 @click.pass_context
 def bench(ctx: click.Context, plot_path: Optional[str], directory: Optional[str], as_json: bool, bench_args: tuple[str, ...]) -> None:
     """Save/load GB/s of the store against raw sequential I/O and torch.save, on the store's disk."""
-    from gdskv import bench as store_bench
+    from gdskv.bench_options import parse_args  # a usage mistake is answered before torch is imported
 
     if plot_path is not None:
         try:
@@ -98,9 +98,11 @@ def bench(ctx: click.Context, plot_path: Optional[str], directory: Optional[str]
     if not any(a == "--dir" or a.startswith("--dir=") for a in argv):
         argv += ["--dir", directory or _store_dir(config_of(ctx).store_path)]
     try:
-        options, as_json = store_bench.parse_args(argv)
+        options, as_json = parse_args(argv)
     except SystemExit as e:  # argparse: --help (0) or a usage error (2)
         ctx.exit(int(e.code or 0))
+    from gdskv import bench as store_bench
+
     report = store_bench.run(options, log=_progress_log(options, as_json))
     click.echo(json.dumps(report, indent=2) if as_json else store_bench.format_report(report))
     if plot_path is not None:

@@ -41,7 +41,6 @@ pause inside one of every few timed loads here, unfrozen).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 import json
@@ -55,13 +54,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 import torch
 
-from gdskv.config import GdsKvConfig, parse_size
+from gdskv.bench_options import MAX_PAGE, MIN_PAGE, POOLS, BenchOptions, OneLineParser, parse_args  # noqa: F401
+from gdskv.config import GdsKvConfig
 from gdskv.hosttier import tier_bytes
 from gdskv.io import make_engine
 from gdskv.io.base import IoEngine, Segment
@@ -73,28 +72,6 @@ KINDS = ("save", "load_cold", "load_warm")
 SAVE_TARGET = 0.85  # store save >= 0.85 x the best raw durable write (issue 13)
 LOAD_TARGET = 0.9  # store cold load >= 0.9 x the disk's ceiling
 PEER_TARGET = 1.1  # store cold load >= 1.1 x vLLM's file-system tier
-POOLS = ("torch", "hugepage", "pinned", "cuda")
-MIN_PAGE, MAX_PAGE = 4 << 10, 64 << 20
-
-
-@dataclass
-class BenchOptions:
-    """What ``run`` measures; built from the command line by ``main``."""
-
-    directory: str = field(default_factory=tempfile.gettempdir)
-    total_bytes: int = 1 << 30
-    page_sizes: tuple[int, ...] = (4 << 20,)
-    rounds: int = 3
-    engines: tuple[str, ...] = ("posix+o_direct", "posix")
-    pools: tuple[str, ...] = ("torch",)
-    peers: tuple[str, ...] = ("vllm", "lmcache")
-    io_threads: int = GdsKvConfig.io_threads
-    transfer_threads: int = GdsKvConfig.io_threads
-    kvikio_threads: int = 4
-    kvikio_task_size: int = 4 << 20
-    baselines: bool = True
-    service: bool = True
-    """Also measure ``ServiceSubject`` (the default config through ``KvService``, host tier on)."""
 
 
 class _Subject:
@@ -783,68 +760,6 @@ def format_report(report: dict[str, Any]) -> str:
                  f"durable write; warm/raw compares with the better raw warm read (a page-cache copy), warm/files with "
                  f"plain buffered reads of one file per page (the same count and sizes) at the store's depth")
     return "\n".join(lines)
-
-
-def _page_size(text: str) -> int:
-    try:
-        n = parse_size(text)
-    except ValueError as e:  # argparse would say "invalid _page_size value"
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if not MIN_PAGE <= n <= MAX_PAGE or n % 512:
-        raise argparse.ArgumentTypeError(f"page size must be a multiple of 512 bytes in [4K, 64M], got {text!r}")
-    return n
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse that answers a usage mistake with one line on stderr and exit status 2 (no usage
-    block: ``--help`` has it). Used by ``gdskv bench`` and the benchmark scripts."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool]:
-    """The options, and whether to print JSON."""
-    parser = OneLineParser(prog="gdskv bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure "
-                        "(a temporary subdirectory is created and removed); default: the system temp directory "
-                        "(under gdskv bench: the directory that holds the store)")
-    parser.add_argument("--total", default="1G", help="bytes of pages per measurement (default 1G)")
-    parser.add_argument("--page-size", action="append", type=_page_size,
-                        help="page size (64K .. 16M are what engines use); repeat for several (default: 256K, 1M, 4M)")
-    parser.add_argument("--pool", action="append", choices=POOLS,
-                        help="page pool of the store subjects; repeat for several (default: torch)")
-    parser.add_argument("--peers", default="vllm,lmcache",
-                        help="comma-separated peers to measure: vllm, lmcache (default both; '' for none)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; figures are medians (default 3)")
-    parser.add_argument("--engines", default="posix+o_direct,posix",
-                        help="comma-separated engines for the store: posix or kvikio (o_direct off), "
-                        "+o_direct (O_DIRECT reads and writes, the default config), +direct_writes "
-                        "(O_DIRECT writes only); one kvikio label at most")
-    parser.add_argument("--io-threads", type=int, default=GdsKvConfig.io_threads)
-    parser.add_argument("--transfer-threads", type=int, default=GdsKvConfig.io_threads)
-    parser.add_argument("--kvikio-threads", type=int, default=4)
-    parser.add_argument("--kvikio-task-size", default="4M")
-    parser.add_argument("--no-baselines", action="store_true", help="measure the store only")
-    parser.add_argument("--no-service", action="store_true",
-                        help="leave out the service subject (the default config through KvService, host tier on)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    unknown = [p for p in args.peers.split(",") if p and p not in ("vllm", "lmcache")]
-    if unknown:
-        parser.error(f"--peers: unknown peer {unknown[0]!r} (vllm, lmcache)")
-    options = BenchOptions(
-        directory=args.dir, total_bytes=parse_size(args.total),
-        page_sizes=tuple(args.page_size or (256 << 10, 1 << 20, 4 << 20)), pools=tuple(args.pool or ("torch",)),
-        peers=tuple(p for p in args.peers.split(",") if p),
-        rounds=args.rounds, engines=tuple(e for e in args.engines.split(",") if e),
-        io_threads=args.io_threads, transfer_threads=args.transfer_threads,
-        kvikio_threads=args.kvikio_threads, kvikio_task_size=parse_size(args.kvikio_task_size),
-        baselines=not args.no_baselines, service=not args.no_service,
-    )
-    return options, args.json
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
