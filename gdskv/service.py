@@ -504,16 +504,16 @@ class KvService:
         ``_hits_after``."""
         if not hits:
             return hits
-        k, size = len(hits), hits[0][2].buf.numel()
+        k, size = len(hits), sum(lent.buf.numel() for _, _, lent, _ in hits)
         shared = self.namespaces[rank].counters
 
         def done() -> None:
             self.host.release_many([lent for _, _, lent, _ in hits])
             with self._lock:
                 self._inflight -= k
-                self._add({"loads_loaded": k, "bytes_loaded": k * nbytes, "host_hits": k, "host_hit_bytes": k * size})
+                self._add({"loads_loaded": k, "bytes_loaded": k * nbytes, "host_hits": k, "host_hit_bytes": size})
             shared.add("host_hits", k)
-            shared.add("host_hit_bytes", k * size)
+            shared.add("host_hit_bytes", size)
             self._observe("load", rank, k, t0)
 
         with self._lock:
@@ -676,22 +676,6 @@ class KvService:
         """Transfers posted and not finished."""
         with self._lock:
             return self._inflight
-
-    def _posted(self, **n: int) -> None:
-        with self._lock:
-            self._inflight += 1
-            self._add(n)
-
-    def _loaded(self, fut: Future, nbytes: int, t0: float, ns: Namespace, hit: Optional[dict[str, int]] = None) -> None:
-        status = None if fut.cancelled() or fut.exception() is not None else fut.result()
-        if self.metrics is not None:
-            self.metrics.observe("load", ns, time.perf_counter() - t0)
-        with self._lock:
-            self._inflight -= 1
-            if status is LoadStatus.LOADED:
-                self._add({"loads_loaded": 1, "bytes_loaded": nbytes, **(hit or {})})
-            else:
-                self._add({"loads_failed": 1})
 
     def _changed(self, _: Any = None) -> None:
         """Counters moved outside ``_add`` (the remote tier's, on the namespace): ``flush_stats``
