@@ -33,9 +33,8 @@
  *   end into dir/tmp (created exclusively), optionally fsyncs it, and renames it to dir/name. A
  *   job with seal true is sealed first (seal(), or stage_sealed in the pass that stages it): its
  *   last piece, a trailer packed with a zero payload checksum, gets the payload's CRC32C and its
- *   own, so no Python reads the page. A
- *   missing dir is made first, with its parents (dir_mode, or -1: ENOENT instead), so the first
- *   saves into a new store take this path too.
+ *   own, so no Python reads the page. A missing dir is made first, with its parents (dir_mode,
+ *   or -1: ENOENT instead), so the first saves into a new store take this path too.
  *   direct: the file's whole 4 KiB blocks go out with O_DIRECT (from the pieces where they are
  *   aligned, else from an aligned staging copy) and, once that write returned, the rest (the
  *   payload's last partial block and the trailer) through the page cache; the file is
@@ -63,8 +62,8 @@
  *   q.write_later(root_fd, jobs, crc_fn, file_mode, chmod, sync, direct, threads, staging,
  *   staging_len, dir_mode, dir_chmod, nice, tag) does the same for write_chunks (an errno per
  *   job in collect). q.copy_later(copies, threads, nice, tag) does the same for copy_many
- *   (None for results in collect). q.hurry(+1/-1) counts callers blocked on a result: while any is,
- *   wait_overdue does not wait out the grace.
+ *   (None for results in collect). q.hurry(+1/-1) counts callers blocked on a result: while any
+ *   is, wait_overdue does not wait out the grace.
  * staging, staging_len (the two arguments after threads, in both): the caller's aligned memory
  *   for those buffers, `staging_need(jobs, threads)` bytes. Huge-page memory matters: an
  *   O_DIRECT request into 4 KiB pages is cut at the queue's segment limit (254 pages on the
