@@ -253,15 +253,16 @@ def test_salted_request_does_not_hit_another_salts_blocks(store):
 # --- asynchrony ----------------------------------------------------------------------------------
 
 class GatedWrites:
-    """Holds the I/O engine's writes until ``open()``: saves stay in flight as long as a test wants."""
+    """Holds the I/O engine's writes until ``open()``: saves stay in flight as long as a test
+    wants, on every path (per page, a native batch, a native batch started for later)."""
 
     def __init__(self, engine):
-        self._engine, self._real, self._gate = engine, engine.write_now, threading.Event()
-        engine.write_now = self._write
-
-    def _write(self, path, segments):
-        self._gate.wait(10)
-        return self._real(path, segments)
+        self._gate = threading.Event()
+        now, batch, later = engine.write_now, engine.write_chunks_now, engine.write_chunks_later
+        engine.write_now = lambda *a, **k: (self._gate.wait(10), now(*a, **k))[1]
+        engine.write_chunks_now = lambda *a, **k: (self._gate.wait(10), batch(*a, **k))[1]
+        # returns at once, as the real one does; the writes start once let go
+        engine.write_chunks_later = lambda *a: threading.Thread(target=lambda: self._gate.wait(10) and later(*a)).start()
 
     def open(self) -> None:
         self._gate.set()
