@@ -301,7 +301,9 @@ def test_posting_failures(store_path):
 class GatedEngine(PosixEngine):
     """A POSIX engine whose reads and writes wait for ``gate``: a slow disk, made visible.
     Gates every call the transfer layer makes: ``read_now``/``write_now`` per page (``read``/
-    ``write`` run them too) and ``read_chunks_now``/``write_chunks_now`` per native slice."""
+    ``write`` run them too), ``read_chunks_now``/``write_chunks_now`` per native slice, and
+    ``read_chunks_later``/``write_chunks_later`` (which return at once, as the real ones do; the
+    transfer starts once let go)."""
 
     def __init__(self) -> None:
         super().__init__(threads=4)
@@ -322,6 +324,12 @@ class GatedEngine(PosixEngine):
     def write_chunks_now(self, root_fd, jobs, threads=1, dir_mode=None):
         self.gate.wait(10)
         return super().write_chunks_now(root_fd, jobs, threads, dir_mode)
+
+    def read_chunks_later(self, *args):
+        threading.Thread(target=lambda: self.gate.wait(10) and super(GatedEngine, self).read_chunks_later(*args)).start()
+
+    def write_chunks_later(self, *args):
+        threading.Thread(target=lambda: self.gate.wait(10) and super(GatedEngine, self).write_chunks_later(*args)).start()
 
 
 def test_transfers_are_asynchronous_and_publish_only_when_written(store_path):
