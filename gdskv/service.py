@@ -487,12 +487,8 @@ class KvService:
         done.set_result(LoadStatus.LOADED)
         for i, _, _, _ in hits:
             out[i] = done
-        k, size = len(hits), hits[0][2].buf.numel()
-        self._count(loads_posted=k, loads_loaded=k, bytes_loaded=k * nbytes, host_hits=k, host_hit_bytes=k * size)
-        shared = self.namespaces[rank].counters
-        shared.add("host_hits", k)
-        shared.add("host_hit_bytes", k * size)
-        self._observe("load", rank, k, t0)
+        self._count(loads_posted=len(hits))
+        self._hits_loaded(rank, [lent for _, _, lent, _ in hits], nbytes, t0, finished=0)
         return failed
 
     def _hits_native(self, rank: int, transfer: PageTransfer, hits: list[tuple[int, bytes, Borrowed, list[Any]]],
@@ -504,17 +500,11 @@ class KvService:
         ``_hits_after``."""
         if not hits:
             return hits
-        k, size = len(hits), sum(lent.buf.numel() for _, _, lent, _ in hits)
-        shared = self.namespaces[rank].counters
+        k, lents = len(hits), [lent for _, _, lent, _ in hits]
 
         def done() -> None:
-            self.host.release_many([lent for _, _, lent, _ in hits])
-            with self._lock:
-                self._inflight -= k
-                self._add({"loads_loaded": k, "bytes_loaded": k * nbytes, "host_hits": k, "host_hit_bytes": size})
-            shared.add("host_hits", k)
-            shared.add("host_hit_bytes", size)
-            self._observe("load", rank, k, t0)
+            self.host.release_many(lents)
+            self._hits_loaded(rank, lents, nbytes, t0, finished=k)
 
         with self._lock:
             self._inflight += k
@@ -538,9 +528,7 @@ class KvService:
         reached it, the hits' buffers go back and the pages count as failed."""
         if not hits:
             return
-        k, size = len(hits), sum(lent.buf.numel() for _, _, lent, _ in hits)
-        lents = [lent for _, _, lent, _ in hits]
-        shared = self.namespaces[rank].counters
+        k, lents = len(hits), [lent for _, _, lent, _ in hits]
 
         def copy() -> LoadStatus:
             try:
@@ -549,21 +537,18 @@ class KvService:
                 scatter_all([(lent.buf, segments) for _, _, lent, segments in hits], HIT_COPY_THREADS)
             finally:
                 self.host.release_many(lents)
-            shared.add("host_hits", k)
-            shared.add("host_hit_bytes", size)
             return LoadStatus.LOADED
 
         def count(f: Future) -> None:
             if f.cancelled():
                 self.host.release_many(lents)
-            loaded = not f.cancelled() and f.exception() is None and f.result() is LoadStatus.LOADED
+            if not f.cancelled() and f.exception() is None and f.result() is LoadStatus.LOADED:
+                self._hits_loaded(rank, lents, nbytes, t0, finished=k)
+                return
             self._observe("load", rank, k, t0)
             with self._lock:
                 self._inflight -= k
-                if loaded:
-                    self._add({"loads_loaded": k, "bytes_loaded": k * nbytes, "host_hits": k, "host_hit_bytes": size})
-                else:
-                    self._add({"loads_failed": k})
+                self._add({"loads_failed": k})
 
         with self._lock:
             self._inflight += k
@@ -577,6 +562,20 @@ class KvService:
         done = _counted(fut, count)
         for i, _, _, _ in hits:
             out[i] = done
+
+    def _hits_loaded(self, rank: int, lents: list[Borrowed], nbytes: int, t0: float, finished: int) -> None:
+        """Counts host-tier hits copied into their pages (``lents``, pages of ``nbytes``): the
+        service's counters (``finished`` of them leaving the in-flight count) and the
+        namespace's, and their latency since ``t0``. Called by every hit path once the bytes are
+        in place."""
+        k, size = len(lents), sum(lent.buf.numel() for lent in lents)
+        with self._lock:
+            self._inflight -= finished
+            self._add({"loads_loaded": k, "bytes_loaded": k * nbytes, "host_hits": k, "host_hit_bytes": size})
+        shared = self.namespaces[rank].counters
+        shared.add("host_hits", k)
+        shared.add("host_hit_bytes", size)
+        self._observe("load", rank, k, t0)
 
     def _reserve_many(self, rank: int, group: int, keys: list[bytes], sizes: list[Optional[int]]) -> list[Optional[Reserved]]:
         """Host-tier buffers for a step's pages about to be read from the disk (the transfer
