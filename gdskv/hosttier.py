@@ -389,14 +389,16 @@ def scatter_all(pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], th
     """``scatter`` of several entries, wherever their pages are: those in plain host memory in one
     ``scatter_many``, the others' copies all queued before one wait per device (not one per page).
     Returns once every byte is in place. Called on a copy thread (``KvService._hits_after``)."""
-    host = [(buf, segments) for buf, segments in pairs if all(s.device.type == "cpu" for s in segments)]
+    host: list[tuple[torch.Tensor, Sequence[torch.Tensor]]] = []
+    device: list[tuple[torch.Tensor, Sequence[torch.Tensor]]] = []
+    for pair in pairs:
+        (host if all(s.device.type == "cpu" for s in pair[1]) else device).append(pair)
     if host:
         scatter_many(host, threads)
     queued: list[torch.Tensor] = []
     try:
-        for buf, segments in pairs:
-            if not all(s.device.type == "cpu" for s in segments):
-                queued += _queue(buf, segments, into_segments=True)
+        for buf, segments in device:
+            queued += _queue(buf, segments, into_segments=True)
     finally:  # the buffers go back after this: no copy may still read them
         _wait_for_devices(queued)
 
