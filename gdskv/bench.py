@@ -444,7 +444,7 @@ def fill_page_cache(paths: Sequence[str]) -> None:
     """Read these files through the page cache twice (untimed), so a warm load finds them there
     and finds them alike for every subject: on the active LRU list, as pages read again and again
     are. Read once, pages are only marked referenced and the next read moves them to the active
-    list, a cost (~25% of a 4 MiB page's warm read here) that a single fill charged to the warm
+    list, a cost (12-26% of a 4 MiB page's warm read here) that a single fill charged to the warm
     load of a subject whose cold load bypassed the cache (O_DIRECT) and not to one whose cold load
     had read the pages through it."""
     scratch = bytearray(4 << 20)
