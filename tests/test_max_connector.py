@@ -677,6 +677,39 @@ def test_stats_file_and_shutdown(store_path, tmp_path):
     assert data["blocks_written"] == 1 and data["bytes_written"] == BPP
 
 
+_EXIT_WITHOUT_SHUTDOWN = """
+import sys, types, torch
+from gdskv.connectors.max.types import KVCacheGroupId
+from gdskv.connectors.max.wiring import create_gdskv_connector
+pages = torch.randint(0, 256, (8, 4096), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+params = types.SimpleNamespace(kv_hash_algo="ahash64", kv_hash_seed=None, num_layers=2,
+                               dtype=types.SimpleNamespace(name="float32"), page_size=16)
+conn = create_gdskv_connector({"full": KVCacheGroupId.full()}, [types.SimpleNamespace(label="cpu")],
+                              [{"full": types.SimpleNamespace(buffers=[pages], replicated=False)}], params, 0)
+conn.offload({"full": [0, 1, 2]}, {"full": [i.to_bytes(8, "big") for i in (1, 2, 3)]}, 0)
+print(conn.namespaces[0].id)
+del conn  # as MAX drops its pipeline
+"""
+
+
+def test_a_process_that_ends_without_shutdown_still_settles_its_offloads(tmp_path):
+    """``max generate`` drops its pipeline and exits without calling its cache manager's
+    ``shutdown``: the connector MAX built (``create_gdskv_connector``) is kept and shut down at
+    exit, so an offload nobody polled again is written and its blocks are in the counters file."""
+    import subprocess
+    import sys
+
+    store, stats = tmp_path / "store", tmp_path / "stats.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSKV_")}
+    env.update({"GDSKV_STORE": str(store), gmax.ENV_METRICS: str(stats), gmax.ENV_MODEL: "tiny"})
+    run = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_SHUTDOWN], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(stats.read_text())
+    assert data["blocks_written"] == 3 and data["bytes_written"] == 3 * 4096 and data["offload_blocks_dropped"] == 0
+    assert len([p for p in (store / "ns" / run.stdout.strip()).rglob("*") if p.is_file() and p.parent.name == "0"]) == 3
+
+
 def test_model_identity_is_required(monkeypatch):
     """KV of two models is never shared: no model id is a bring-up error naming the setting."""
     monkeypatch.delenv(gmax.ENV_MODEL, raising=False)

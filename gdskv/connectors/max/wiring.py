@@ -7,6 +7,7 @@ only inside ``install``.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -80,9 +81,21 @@ def create_gdskv_connector(leaves: Mapping[str, KVCacheGroupId], devices: Sequen
     memory = [{leaf: page_tables(leaf, r, mem) for leaf, mem in replica.items() if leaf in leaves}
               for r, replica in enumerate(replica_kv_memory)]
     dtype = getattr(params.dtype, "name", str(params.dtype))
-    return GdsKvConnector(leaves, memory, model=model_identity(cfg), dtype=dtype,
-                          tokens_per_block=int(params.page_size), config=cfg, extra=extra,
-                          stats_file=os.environ.get(ENV_METRICS), engine_streams=streams.engine_streams(devices))
+    connector = GdsKvConnector(leaves, memory, model=model_identity(cfg), dtype=dtype,
+                               tokens_per_block=int(params.page_size), config=cfg, extra=extra,
+                               stats_file=os.environ.get(ENV_METRICS), engine_streams=streams.engine_streams(devices))
+    atexit.register(_shutdown_at_exit, connector)  # held to the end: MAX may drop it with offloads in flight
+    return connector
+
+
+def _shutdown_at_exit(connector: GdsKvConnector) -> None:
+    """At interpreter exit: shut down a connector MAX did not (``max generate`` drops its
+    pipeline and ends without calling the cache manager's ``shutdown``), so offloads still in
+    flight are written and settled and the counters file holds them. A no-op after ``shutdown``."""
+    try:
+        connector.shutdown()
+    except Exception as e:  # at exit nobody is left to handle it: say what was lost
+        log.warning("gdskv: connector shutdown at exit failed: %s", e)
 
 
 _installed: Optional[Callable[..., Any]] = None
