@@ -13,9 +13,22 @@ import click
 from gdskv.cli._common import OneLineErrors
 from gdskv.cli.progress import DEFAULT_EVERY
 
-# Each command's module is imported when the command runs (or ``--help`` lists them all), so
-# ``gdskv info`` or a cron job's ``gdskv gc`` never pays for torch and the engines.
-COMMANDS = ("info", "ls", "stats", "verify", "evict", "gc", "prewarm", "push", "pull", "bench", "demo")
+# Each command's module is imported only when the command runs, so ``gdskv info``, a cron job's
+# ``gdskv gc`` or ``gdskv --help`` never pays for torch and the engines. The summaries are each
+# command's own first line (tests/test_cli.py holds them equal).
+COMMANDS = {
+    "info": "Store path, format, I/O engine, namespaces with chunk counts and bytes, budget and free space.",
+    "ls": "Chunks with namespace, group, key prefix, size and last use, sorted by recency.",
+    "stats": "Hit, miss, byte, eviction, drop and corruption counters, per namespace, over all processes.",
+    "verify": "Re-check every chunk's checksum and key; exit 1 when any is bad.",
+    "evict": "Remove least recently used chunks, deepest first.",
+    "gc": "Remove temp files left by crashed writers and empty chunk directories.",
+    "prewarm": "Prefill prompts from files through an engine with the connector, so their KV is stored.",
+    "push": "Upload local chunks the remote lacks (create-only, verified first).",
+    "pull": "Download remote chunks the local store lacks (verified, published atomically).",
+    "bench": "Save/load GB/s of the store against raw sequential I/O and torch.save, on the store's disk.",
+    "demo": "Round-trip KV through the store in new processes; serve a prompt prefix from it.",
+}
 
 # `gdskv prewarm --engine max`: MAX's model worker is a spawned process that re-imports this module
 # with GDSKV_MAX_HOOK=1 (``gdskv.connectors.max.ENV_HOOK``); every other command never imports the
@@ -36,6 +49,11 @@ class Commands(OneLineErrors):
         if name not in COMMANDS:
             return None
         return getattr(importlib.import_module(f"gdskv.cli.{name}"), name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """``gdskv --help``'s command list, from ``COMMANDS`` rather than every command's module."""
+        with formatter.section("Commands"):
+            formatter.write_dl(list(COMMANDS.items()))
 
 
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})

@@ -449,6 +449,25 @@ def test_a_usage_mistake_is_one_line(tmp_path: Path) -> None:
     assert res.returncode == 0 and "Usage:" in res.stdout
 
 
+def test_help_lists_every_command_by_its_own_summary_without_importing_them() -> None:
+    """``gdskv --help`` lists each command with the first line of its own help (the summaries in
+    ``COMMANDS`` are kept equal to them), without importing torch or any command's module."""
+    import click
+
+    from gdskv.cli.main import COMMANDS
+
+    ctx = click.Context(main)
+    assert {n: main.get_command(ctx, n).get_short_help_str(limit=1000) for n in COMMANDS} == COMMANDS
+    probe = ("import sys; from gdskv.cli.main import main; rc = main(['--help'], standalone_mode=False); "
+             "print([m for m in sys.modules if m == 'torch' or m.startswith('gdskv.cli.') and m.rsplit('.', 1)[1] in "
+             "('info', 'ls', 'stats', 'verify', 'evict', 'gc', 'prewarm', 'push', 'pull', 'bench', 'demo')])")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd="/")
+    assert res.returncode == 0, res.stderr
+    listing = res.stdout.split("Commands:", 1)[1]
+    assert all(name in listing for name in COMMANDS) and COMMANDS["verify"] in " ".join(listing.split())
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout
+
+
 def test_bench_answers_a_bad_option_with_one_line(tmp_path: Path) -> None:
     for args, said in ((("--page-size", "3K"), "page size must be a multiple of 512 bytes"),
                        (("--page-size", "3X"), "argument --page-size: not a size: '3X'"),
