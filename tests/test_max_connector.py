@@ -710,6 +710,48 @@ def test_a_process_that_ends_without_shutdown_still_settles_its_offloads(tmp_pat
     assert len([p for p in (store / "ns" / run.stdout.strip()).rglob("*") if p.is_file() and p.parent.name == "0"]) == 3
 
 
+_TERMINATED_WITH_OFFLOADS_IN_FLIGHT = """
+import time, types, torch
+from gdskv.connectors.max.types import KVCacheGroupId
+from gdskv.connectors.max.wiring import create_gdskv_connector
+blocks = 512
+pages = torch.randint(0, 256, (blocks, 65536), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+params = types.SimpleNamespace(kv_hash_algo="ahash64", kv_hash_seed=None, num_layers=2,
+                               dtype=types.SimpleNamespace(name="float32"), page_size=16)
+conn = create_gdskv_connector({"full": KVCacheGroupId.full()}, [types.SimpleNamespace(label="cpu")],
+                              [{"full": types.SimpleNamespace(buffers=[pages], replicated=False)}], params, 0)
+conn.offload({"full": list(range(blocks))}, {"full": [i.to_bytes(8, "big") for i in range(1, blocks + 1)]}, 0)
+print(conn.namespaces[0].id, flush=True)
+time.sleep(600)  # as a model worker waits for its next request
+"""
+
+
+def test_a_worker_terminated_with_offloads_in_flight_writes_them_before_it_exits(tmp_path):
+    """MAX ends its model worker with SIGTERM (SIGKILL five seconds later), whose default action
+    ends a process at once: the connector makes SIGTERM an exit through the interpreter's exit
+    handlers, so 32 MiB of offloads still being written when it arrives are written, settled and
+    counted, and the process ends with status 143."""
+    import signal
+    import subprocess
+    import sys
+
+    store, stats = tmp_path / "store", tmp_path / "stats.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDSKV_")}
+    env.update({"GDSKV_STORE": str(store), gmax.ENV_METRICS: str(stats), gmax.ENV_MODEL: "tiny"})
+    proc = subprocess.Popen([sys.executable, "-c", _TERMINATED_WITH_OFFLOADS_IN_FLIGHT], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ns = proc.stdout.readline().strip()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert ns and proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    data = json.loads(stats.read_text())
+    assert data["blocks_written"] == 512 and data["bytes_written"] == 512 * 65536 and data["inflight_disk_ops"] == 0
+    assert len([p for p in (store / "ns" / ns).rglob("*") if p.is_file() and p.parent.name == "0"]) == 512
+
+
 def test_model_identity_is_required(monkeypatch):
     """KV of two models is never shared: no model id is a bring-up error naming the setting."""
     monkeypatch.delenv(gmax.ENV_MODEL, raising=False)

@@ -11,6 +11,8 @@ import atexit
 import hashlib
 import logging
 import os
+import signal
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
@@ -85,6 +87,7 @@ def create_gdskv_connector(leaves: Mapping[str, KVCacheGroupId], devices: Sequen
                                tokens_per_block=int(params.page_size), config=cfg, extra=extra,
                                stats_file=os.environ.get(ENV_METRICS), engine_streams=streams.engine_streams(devices))
     atexit.register(_shutdown_at_exit, connector)  # held to the end: MAX may drop it with offloads in flight
+    _exit_on_sigterm_through_exit_handlers()
     return connector
 
 
@@ -96,6 +99,23 @@ def _shutdown_at_exit(connector: GdsKvConnector) -> None:
         connector.shutdown()
     except Exception as e:  # at exit nobody is left to handle it: say what was lost
         log.warning("gdskv: connector shutdown at exit failed: %s", e)
+
+
+def _exit_on_sigterm_through_exit_handlers() -> None:
+    """Make SIGTERM end this process through its exit handlers (``_shutdown_at_exit``), status 143.
+
+    MAX stops a model worker with SIGTERM (SIGKILL five seconds later) and the worker keeps the
+    signal's default action, which ends a process at once: offloads still being written would be
+    lost, as ``gdskv prewarm --engine max`` found when it stopped its engine right after the last
+    prompt. Installed only from the main thread and only over the default action (a process that
+    handles SIGTERM itself keeps its handler). Called by ``create_gdskv_connector``."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise SystemExit(128 + signum)
 
 
 _installed: Optional[Callable[..., Any]] = None
