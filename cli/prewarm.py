@@ -311,7 +311,11 @@ class _Runner(Protocol):
         """What the prompt running now has done so far (called from the progress thread)."""
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> Optional[Outcome]:
+        """Stop the engine. An engine in other processes answers with what the whole run added
+        to the store, measured once they ended (their last writes land as they stop): it
+        replaces the sum over prompts. None: the per-prompt outcomes stand."""
+        ...
 
 
 class _ReferenceRunner:
@@ -358,6 +362,7 @@ class _StoreDelta:
         from gdskv.store import PageStore
 
         self.store = PageStore.open(cfg.store_path)
+        self._first: Optional[tuple[int, int]] = None  # the scan before the first prompt
         self._last: Optional[tuple[int, int]] = None  # the scan after the previous prompt, if it ran
 
     def _measure(self) -> tuple[int, int]:
@@ -370,17 +375,36 @@ class _StoreDelta:
         """Run ``work`` between two scans of the store; the scan after one prompt is the scan
         before the next (one scan per prompt, not two)."""
         before, self._last = self._last or self._measure(), None
+        self._first = self._first or before
         work()
         self._last = after = self._measure()
         return Outcome(blocks_written=after[0] - before[0], bytes_written=after[1] - before[1])
 
+    def since_first(self) -> Optional[Outcome]:
+        """What the store gained since before the first prompt, scanned now; None when no
+        prompt ran. Called once the engine stopped."""
+        if self._first is None:
+            return None
+        now = self._measure()
+        return Outcome(blocks_written=now[0] - self._first[0], bytes_written=now[1] - self._first[1])
+
 
 class _ExternalRunner:
     """An engine that runs in its own processes (TensorRT-LLM, MAX, vLLM): its counters live
-    there, so progress inside a prompt is not known here (only prompts done)."""
+    there, so progress inside a prompt is not known here (only prompts done), and what it wrote
+    is measured on the store (``delta``), for the whole run after its processes ended."""
+
+    delta: _StoreDelta
 
     def progress(self) -> str:
         return ""
+
+    def close(self) -> Optional[Outcome]:
+        self.stop()
+        return self.delta.since_first()
+
+    def stop(self) -> None:
+        raise NotImplementedError
 
 
 class _TrtllmRunner(_ExternalRunner):
@@ -406,26 +430,27 @@ class _TrtllmRunner(_ExternalRunner):
         ids = _tokenize(self.tok, prompt, self.max_tokens)
         return self.delta.around(lambda: self.llm.generate([ids], self.params))
 
-    def close(self) -> None:
+    def stop(self) -> None:
         self.llm.shutdown()
 
 
 class _MaxRunner(_ExternalRunner):
-    """Modular MAX's offline ``LLM`` with gdskv's KVConnector installed (needs ``max``)."""
+    """Modular MAX's offline ``LLM`` with gdskv's KVConnector installed (needs ``max``), watched
+    so that an engine that stops fails the run instead of hanging it (``OfflineLlm``)."""
 
     def __init__(self, cfg: GdsKvConfig, model: str, max_tokens: int) -> None:
         try:
-            from max._entrypoints.llm import LLM
             from max.pipelines.lib import PipelineArgs
         except ImportError:
             raise UsageProblem("--engine max needs Modular MAX (max does not import in this Python)") from None
         from gdskv.connectors.max import ENV_HOOK, ENV_MODEL, install
+        from gdskv.connectors.max.offline import OfflineLlm
 
         os.environ["GDSKV_STORE"] = cfg.store_path
         os.environ.setdefault(ENV_MODEL, os.path.abspath(model) if os.path.isdir(model) else model)
         os.environ[ENV_HOOK] = "1"  # MAX's spawned model worker installs the hook too (gdskv.cli.main)
         install()
-        self.llm = LLM(PipelineArgs.from_flat_kwargs(model_path=model, kv_connector_config={"type": "rust_tiered"}))
+        self.llm = OfflineLlm(PipelineArgs.from_flat_kwargs(model_path=model, kv_connector_config={"type": "rust_tiered"}))
         self.hf: Optional[HfTokenizer] = None
         self.model, self.max_tokens = model, max_tokens
         self.delta = _StoreDelta(cfg)
@@ -442,10 +467,10 @@ class _MaxRunner(_ExternalRunner):
             raise ValueError("empty prompt")
         # MAX offloads the blocks a step committed at its next step: one token would end the
         # request before its prompt's blocks are written.
-        return self.delta.around(lambda: self.llm.generate([text], max_new_tokens=2, use_tqdm=False))
+        return self.delta.around(lambda: self.llm.generate([text], max_new_tokens=2))
 
-    def close(self) -> None:
-        del self.llm
+    def stop(self) -> None:
+        self.llm.close()
 
 
 class _VllmRunner(_ExternalRunner):
@@ -473,7 +498,7 @@ class _VllmRunner(_ExternalRunner):
         ids = _tokenize(self.tok, prompt, self.max_tokens)
         return self.delta.around(lambda: self.llm.generate([{"prompt_token_ids": ids}], self.params, use_tqdm=False))
 
-    def close(self) -> None:
+    def stop(self) -> None:
         del self.llm
 
 
@@ -511,6 +536,7 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
         raise UsageProblem(f"--engine {engine} needs --model")
     tok = (HfTokenizer.load(tokenizer) if tokenizer else ByteTokenizer()) if engine == "reference" else None
     check_store(cfg)
+    from gdskv.connectors.max.offline import EngineStopped
     from gdskv.connectors.trtllm import ConnectorSetupError
     from gdskv.store import StoreError
 
@@ -524,7 +550,7 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
             runner = _VllmRunner(cfg, model or "", tokenizer, max_tokens)
         else:
             runner = _MaxRunner(cfg, model or "", max_tokens)
-    except (ConnectorSetupError, StoreError, OSError) as e:
+    except (ConnectorSetupError, StoreError, OSError, EngineStopped) as e:
         raise UsageProblem(f"cannot start the {engine} engine on the store {cfg.store_path}: {' '.join(str(e).split())}") from None
     return runner
 
@@ -564,7 +590,9 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
                         summary.blocks_present += out.blocks_present
                 work.advance()
     finally:
-        runner.close()
+        settled = runner.close()
+    if settled is not None:
+        summary.blocks_written, summary.bytes_written = settled.blocks_written, settled.bytes_written
     summary.seconds = time.perf_counter() - t_all
     pushed = None
     if remote:

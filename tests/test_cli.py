@@ -294,8 +294,9 @@ def test_prewarm_reference(tmp_path: Path) -> None:
 
 
 def test_store_delta_scans_the_store_once_per_prompt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The TensorRT-LLM / MAX runners measure what a prompt added on the store; the scan after
-    one prompt is the scan before the next."""
+    """The TensorRT-LLM / MAX / vLLM runners measure what a prompt added on the store; the scan
+    after one prompt is the scan before the next. Once the engine stopped, the whole run is
+    measured again from before the first prompt, so blocks it wrote as it stopped are counted."""
     from gdskv.cli.prewarm import _StoreDelta
     from gdskv.config import GdsKvConfig
 
@@ -307,6 +308,10 @@ def test_store_delta_scans_the_store_once_per_prompt(tmp_path: Path, monkeypatch
     assert (out.blocks_written, out.bytes_written) == (6, 6 * CHUNK)  # 3 blocks in 2 groups
     out = delta.around(lambda: None)
     assert (out.blocks_written, out.bytes_written) == (0, 0) and len(scans) == 3
+    build_store(root, _chains(2, 3))  # written after the last prompt's scan: one new block in 2 groups
+    run_total = delta.since_first()
+    assert run_total is not None and (run_total.blocks_written, run_total.bytes_written) == (8, 8 * CHUNK)
+    assert _StoreDelta(GdsKvConfig(store_path=str(root))).since_first() is None  # no prompt ran
 
 
 def test_prewarm_usage(tmp_path: Path) -> None:

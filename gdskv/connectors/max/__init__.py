@@ -34,7 +34,8 @@ The modules: ``connector`` (``GdsKvConnector``, the protocol), ``lookups`` (mask
 ``start_lookup`` handles), ``transfers`` (MAX's transfer objects over the service's loads and
 saves), ``memory`` (``LeafMemory``, argument checks), ``metrics`` (MAX's metrics, counters,
 occupancy), ``types`` (MAX's types or stand-ins), ``wiring`` (``create_gdskv_connector``,
-``install``), ``launch`` (the ``max`` CLI with the hook; ``python -m gdskv.connectors.max_launch``).
+``install``), ``launch`` (the ``max`` CLI with the hook; ``python -m gdskv.connectors.max_launch``),
+``offline`` (MAX's offline ``LLM`` for ``gdskv prewarm``, failing where it would wait).
 The names below are imported on first use, so ``python -m gdskv.connectors.max.launch`` can
 re-execute the interpreter before anything heavy is imported.
 """
