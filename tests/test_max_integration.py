@@ -16,7 +16,10 @@ separate processes on one store:
    ``synchronize()`` and runs the step without polling, so MAX itself stops with "ran past an
    onload whose copy failed"; the serving scheduler holds the request back and polls.)
 5. after overwriting every chunk with well-formed zero KV: the blocks load and the output
-   changes, so the equality in 3 is evidence that the loaded KV is what the model read.
+   changes, so the equality in 3 is evidence that the loaded KV is what the model read;
+6. on a second store, ``gdskv prewarm --engine max`` then ``max generate``: every block loaded,
+   same output. These two overlap runs 2-4 on the first store (each run is mostly MAX's
+   start-up; alone on 2 cores the file takes about 30 s less).
 
 It is part of the default test run (``-m "not max"`` leaves it out): the first run on a machine
 downloads about 1.3 GB and compiles for minutes; MAX's compile cache lives in the virtualenv
@@ -87,7 +90,7 @@ class Run:
     seconds: float
 
 
-def _generate(python: Path, model: Path, store: Path | None, stats_file: Path | None) -> Run:
+def _generate_cmd(python: Path, model: Path, store: Path | None, stats_file: Path | None) -> tuple[list[str], dict[str, str]]:
     args = ["generate", "--model-path", str(model), "--devices", "cpu", "--prompt", PROMPT,
             "--max-new-tokens", "8", "--top-k", "1", "--seed", "0", "--max-length", "1024",
             "--max-batch-size", "1"]
@@ -97,15 +100,42 @@ def _generate(python: Path, model: Path, store: Path | None, stats_file: Path | 
     else:
         cmd = [str(python), "-m", "gdskv.connectors.max_launch"] + args + ["--kv-connector-config", '{"type":"rust_tiered"}']
         extra = {"GDSKV_STORE": str(store), "GDSKV_MAX_METRICS": str(stats_file)}
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=_env(extra), cwd=REPO,
-                          timeout=RUN_TIMEOUT)
-    seconds = time.monotonic() - start
-    assert proc.returncode == 0, f"{' '.join(cmd[:4])} failed:\n{proc.stderr[-4000:]}"
-    text, sep, tail = proc.stdout.partition("\nPrompt size: ")
-    assert sep, f"unexpected max generate output:\n{proc.stdout[-2000:]}"
-    stats = json.loads(stats_file.read_text()) if stats_file is not None else {}
-    return Run(text, int(tail.split()[0]), stats, seconds)
+    return cmd, _env(extra)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+class Generating:
+    """One ``max generate`` process, started at once and waited for by ``result()``, so that
+    runs on different stores overlap (most of a run is MAX's start-up)."""
+
+    def __init__(self, python: Path, model: Path, store: Path | None, stats_file: Path | None):
+        self.cmd, env = _generate_cmd(python, model, store, stats_file)
+        self.stats_file = stats_file
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     errors="replace", env=env, cwd=REPO)
+
+    def result(self) -> Run:
+        done = _finish(self.proc)
+        seconds = time.monotonic() - self.start
+        assert done.returncode == 0, f"{' '.join(self.cmd[:4])} failed:\n{done.stderr[-4000:]}"
+        text, sep, tail = done.stdout.partition("\nPrompt size: ")
+        assert sep, f"unexpected max generate output:\n{done.stdout[-2000:]}"
+        stats = json.loads(self.stats_file.read_text()) if self.stats_file is not None else {}
+        return Run(text, int(tail.split()[0]), stats, seconds)
+
+
+def _generate(python: Path, model: Path, store: Path | None, stats_file: Path | None) -> Run:
+    return Generating(python, model, store, stats_file).result()
 
 
 def _serve_once(python: Path, model: Path, store: Path, stats_file: Path) -> Run:
@@ -147,25 +177,49 @@ class Session:
     zeroed: Run
     chunks_after_first: int
     chunk_bytes: int
+    prewarm: subprocess.CompletedProcess
+    prewarm_chunks: int
+    after_prewarm: Run
+
+
+def _start_prewarm(python: Path, model: Path, store: Path, prompts: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(python), "-m", "gdskv.cli.main", "--store", str(store), "prewarm", "--engine", "max",
+                             "--model", str(model), "--json", str(prompts)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=_env({}),
+                            cwd=REPO)
 
 
 @pytest.fixture(scope="module")
 def session(max_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Session:
+    """Every MAX run of this file's tests, on two stores: the connector's own runs on ``store``
+    (one after another: each reads what the one before left) and ``gdskv prewarm`` then a
+    generate on ``prewarmed``, each overlapping one run on the other store. The plain run goes
+    first, alone: on a new machine it fills MAX's compile cache that every later run reads."""
     work = tmp_path_factory.mktemp("max-runs")
-    store = work / "store"
+    store, prewarmed = work / "store", work / "prewarmed"
+    prompts = work / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
     baseline = _generate(max_python, tiny_llama, None, None)
+
+    prewarming = _start_prewarm(max_python, tiny_llama, prewarmed, prompts)
     first = _generate(max_python, tiny_llama, store, work / "first.json")
+    prewarm = _finish(prewarming)
     chunks = _chunks(store)
     chunk_bytes = chunks[0].stat().st_size if chunks else 0
+    prewarm_chunks = len(_chunks(prewarmed)) if prewarm.returncode == 0 else 0
+
+    after_prewarm = Generating(max_python, tiny_llama, prewarmed, work / "after-prewarm.json") if prewarm_chunks else None
     second = _generate(max_python, tiny_llama, store, work / "second.json")
     _flip_payload_byte(chunks[len(chunks) // 2])
     corrupted = _serve_once(max_python, tiny_llama, store, work / "corrupted.json")
+    after = after_prewarm.result() if after_prewarm is not None else Run("", 0, {}, 0.0)
     for chunk in _chunks(store):
         _zero_payload(chunk)
     zeroed = _generate(max_python, tiny_llama, store, work / "zeroed.json")
-    for name, run in [("baseline", baseline), ("first", first), ("second", second), ("corrupted", corrupted), ("zeroed", zeroed)]:
+    for name, run in [("baseline", baseline), ("first", first), ("second", second), ("corrupted", corrupted),
+                      ("zeroed", zeroed), ("after prewarm", after)]:
         print(f"max generate [{name}]: {run.seconds:.1f} s, text {run.text!r}, connector {run.stats}")
-    return Session(baseline, first, second, corrupted, zeroed, len(chunks), chunk_bytes)
+    return Session(baseline, first, second, corrupted, zeroed, len(chunks), chunk_bytes, prewarm, prewarm_chunks, after)
 
 
 def test_first_run_offloads_the_prompts_full_blocks(session: Session):
@@ -200,22 +254,36 @@ def test_loaded_kv_is_what_the_model_reads(session: Session):
     assert session.zeroed.text != session.baseline.text
 
 
-def test_prewarm_with_max_then_a_new_process_loads_the_prompt(max_python: Path, tiny_llama: Path, session: Session,
-                                                              tmp_path: Path):
-    """``gdskv prewarm --engine max`` writes the prompt's blocks; ``max generate`` in another
-    process then reads them all and generates what plain MAX does."""
-    store = tmp_path / "store"
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(PROMPT + "\n")
-    pre = subprocess.run([str(max_python), "-m", "gdskv.cli.main", "--store", str(store), "prewarm", "--engine", "max",
-                          "--model", str(tiny_llama), "--json", str(prompts)],
-                         capture_output=True, text=True, errors="replace", env=_env({}), cwd=REPO, timeout=RUN_TIMEOUT)
-    assert pre.returncode == 0, pre.stderr[-4000:]
+def test_prewarm_with_max_then_a_new_process_loads_the_prompt(session: Session):
+    """``gdskv prewarm --engine max`` writes the prompt's blocks and reports them (its engine's
+    model worker, stopped with SIGTERM right after the prompt, writes what it was still
+    writing); ``max generate`` in another process then reads them all and generates what plain
+    MAX does."""
+    assert session.prewarm.returncode == 0, session.prewarm.stderr[-4000:]
     blocks = session.baseline.prompt_tokens // PAGE_TOKENS
-    assert len(_chunks(store)) == blocks
-    run = _generate(max_python, tiny_llama, store, tmp_path / "after-prewarm.json")
+    assert session.prewarm_chunks == blocks
+    assert json.loads(session.prewarm.stdout)["blocks_written"] == blocks
+    run = session.after_prewarm
     assert run.stats["blocks_read"] == blocks and run.stats["blocks_written"] == 0
     assert run.text == session.baseline.text
+
+
+def test_prewarm_with_weights_max_cannot_load_fails_in_one_line_instead_of_waiting(max_python: Path, tiny_llama: Path,
+                                                                                  tmp_path: Path):
+    """MAX 26.7's offline ``LLM`` waits with no timeout for its engine to say it is ready: with
+    weights cut in half its engine ends instead, and ``gdskv prewarm --engine max`` used to wait
+    forever. It now ends with the usage exit code and one line naming the engine's error."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in tiny_llama.iterdir():
+        data = f.read_bytes()
+        (model / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
+    run = _finish(_start_prewarm(max_python, model, tmp_path / "store", prompts), timeout=300)  # a MAX start: under a minute
+    last = run.stderr.strip().splitlines()[-1]
+    assert run.returncode == 2, run.stderr[-4000:]
+    assert last.startswith("Error: cannot start the max engine on the store") and "MAX's engine did not start" in last
 
 
 def test_bench_ttft_measures_max_serving_a_prefix_from_the_store(max_python: Path, tmp_path: Path):

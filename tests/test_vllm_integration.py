@@ -6,17 +6,20 @@ the test needs; torchvision / torchaudio / torchcodec are removed, their compile
 against the CPU torch), with gdskv's own dependencies (from ``pyproject.toml``) and this checkout
 of gdskv (``pip install --no-deps -e``), builds a tiny random bf16 Llama offline
 (``scripts/make_tiny_llama.py --dtype bfloat16``: head size 32, an offline tokenizer), and starts
-``python -m vllm.entrypoints.openai.api_server`` twice in turn on one store, with block size 32
-and vLLM's own prefix cache off (so every request asks the store, not the device):
+``python -m vllm.entrypoints.openai.api_server`` three times in turn, with block size 32 and
+vLLM's own prefix cache off (so every request asks the store, not the device):
 
-1. server 1, empty store: the prompt's full blocks are saved;
-2. server 2: the prompt's prefix is loaded from the store (the store's counters show the bytes)
-   and the greedy completion is exactly server 1's;
+1. server 1 (node A), an empty store and a bucket on moto's S3 server: the prompt's full blocks
+   are saved and uploaded;
+2. server 2 on node A's store (no bucket, no host tier): the prompt's prefix is loaded from the
+   store (the store's counters show the bytes) and the greedy completion is exactly server 1's;
 3. the same prompt with another ``cache_salt``: nothing is served from the first one's blocks;
 4. one chunk of the prompt corrupted: its load fails, vLLM recomputes that block (and what
-   follows), the completion is the same, and the block is stored again.
+   follows), the completion is the same, and the block is stored again;
+5. server 3 (node B), an empty store of its own and the same bucket: the prefix is served from
+   the bucket, then from node B's own store.
 
-Time to first token of both runs and the bytes served are printed (``-s``) and in docs/vllm.md.
+Time to first token of the runs and the bytes served are printed (``-s``) and in docs/vllm.md.
 Part of the default test run (``-m "not vllm"`` leaves it out): the first run on a machine
 downloads about 3.4 GB; after that each server start takes about 30 s.
 """
@@ -36,6 +39,7 @@ from typing import Iterator, Optional
 
 import pytest
 from engine_venv import EngineVenv
+from remote_helpers import BUCKET, CREDENTIALS, MotoEndpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -183,25 +187,61 @@ def _local_loads(stats: dict[str, int]) -> int:
     return stats.get("loads_hit", 0) + stats.get("host_hits", 0)
 
 
-def test_a_second_server_serves_the_prefix_from_the_store(vllm_python: Path, tiny_llama: Path, tmp_path: Path):
+@dataclass
+class NodeA:
+    """The first server's run, shared by both tests: its store, the prompt's tokens and full
+    blocks, its completion, and the store's counters once every block was saved and uploaded."""
+
+    store: Path
+    endpoint: MotoEndpoint
+    tokens: list[int]
+    blocks: int
+    first: Completion
+    saved: dict[str, int]
+
+
+def _node_config(tmp: Path, name: str, endpoint_url: str) -> tuple[Path, dict[str, str]]:
+    """A node's own store and the shared bucket (``docs/remote.md``): its path and environment."""
+    store = tmp / name
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(f'[gdskv]\nstore_path = "{store}"\n[gdskv.remote]\nurl = "s3://{BUCKET}/fleet"\n'
+                   f'endpoint = "{endpoint_url}"\nupload = "through"\ntimeout = "10s"\n')
+    return store, {"GDSKV_CONFIG": str(cfg), **CREDENTIALS}
+
+
+@pytest.fixture(scope="module")
+def node_a(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeA]:
+    """Server 1 (node A): an empty store of its own and a bucket on moto's S3 server; it computes
+    the prompt, saves its full blocks and uploads them (one server start serves both tests)."""
+    tmp = tmp_path_factory.mktemp("vllm-node-a")
+    endpoint = MotoEndpoint()
+    try:
+        store, env = _node_config(tmp, "node-a", endpoint.url)
+        with serve(vllm_python, tiny_llama, store, tmp, "node-a", env) as a:
+            tokens = a.tokens(PROMPT)
+            first = a.complete(PROMPT)
+            full = len(tokens) // BLOCK
+            saved = _wait_stats(store, lambda s: s.get("saves_published", 0) >= full and s.get("remote_uploaded", 0) >= full)
+        yield NodeA(store, endpoint, tokens, (len(tokens) - 1) // BLOCK, first, saved)
+    finally:
+        endpoint.stop()
+
+
+def test_a_second_server_serves_the_prefix_from_the_store(vllm_python: Path, tiny_llama: Path, node_a: NodeA,
+                                                          tmp_path: Path):
     from gdskv.keys import chain_keys
     from gdskv.store import PageStore
 
-    store = tmp_path / "store"
-    with serve(vllm_python, tiny_llama, store, tmp_path, "server1") as s1:
-        tokens = s1.tokens(PROMPT)
-        blocks = (len(tokens) - 1) // BLOCK
-        first = s1.complete(PROMPT)
-        saved = _wait_stats(store, lambda s: s.get("saves_published", 0) >= len(tokens) // BLOCK)
-    assert saved.get("saves_published", 0) == len(tokens) // BLOCK, saved
-    assert saved.get("loads_hit", 0) == 0
+    store, tokens, blocks, first = node_a.store, node_a.tokens, node_a.blocks, node_a.first
+    assert node_a.saved.get("saves_published", 0) == len(tokens) // BLOCK, node_a.saved
+    assert node_a.saved.get("loads_hit", 0) == 0
     ns = PageStore.open(store, create=False).namespaces()
     assert len(ns) == 1
     page = ns[0].spec.groups[0].bytes_per_page
 
-    no_host_tier = tmp_path / "server2.toml"  # every load reads the disk, so the corrupted chunk below is read
-    no_host_tier.write_text(f'[gdskv]\nstore_path = "{store}"\nhost_bytes = 0\n')
-    with serve(vllm_python, tiny_llama, store, tmp_path, "server2", {"GDSKV_CONFIG": str(no_host_tier)}) as s2:
+    local_only = tmp_path / "server2.toml"  # no bucket; no host tier: every load reads the disk, so the corrupted chunk below is read
+    local_only.write_text(f'[gdskv]\nstore_path = "{store}"\nhost_bytes = 0\n')
+    with serve(vllm_python, tiny_llama, store, tmp_path, "server2", {"GDSKV_CONFIG": str(local_only)}) as s2:
         before = _stats(store)
         second = s2.complete(PROMPT)
         loaded = _wait_stats(store, lambda s: _delta(s, before, "loads_hit") >= blocks)
@@ -232,43 +272,25 @@ def test_a_second_server_serves_the_prefix_from_the_store(vllm_python: Path, tin
 
 
 def test_a_node_with_an_empty_store_serves_the_prefix_from_the_bucket(vllm_python: Path, tiny_llama: Path,
-                                                                       tmp_path: Path):
-    """The remote tier (docs/remote.md) inside vLLM: node A (its own store) computes the prompt and
-    uploads its blocks to a bucket on moto's S3 server; node B, a second server with an empty
-    store of its own and the same bucket, serves the prefix from the bucket (read through into its
-    store) with node A's completion."""
-    from remote_helpers import BUCKET, CREDENTIALS, MotoEndpoint
+                                                                       node_a: NodeA, tmp_path: Path):
+    """The remote tier (docs/remote.md) inside vLLM: node A (the first server, its own store)
+    computed the prompt and uploaded its blocks to a bucket on moto's S3 server; node B, a
+    second server with an empty store of its own and the same bucket, serves the prefix from
+    the bucket (read through into its store) with node A's completion."""
+    tokens, blocks, first = node_a.tokens, node_a.blocks, node_a.first
+    assert node_a.saved.get("remote_uploaded", 0) == len(tokens) // BLOCK, node_a.saved
+    assert len([k for k in node_a.endpoint.keys("fleet/") if "/c/" in k]) == len(tokens) // BLOCK
 
-    endpoint = MotoEndpoint()
-    try:
-        def node(name: str) -> tuple[Path, dict[str, str]]:
-            store = tmp_path / name
-            cfg = tmp_path / f"{name}.toml"
-            cfg.write_text(f'[gdskv]\nstore_path = "{store}"\n[gdskv.remote]\nurl = "s3://{BUCKET}/fleet"\n'
-                           f'endpoint = "{endpoint.url}"\nupload = "through"\ntimeout = "10s"\n')
-            return store, {"GDSKV_CONFIG": str(cfg), **CREDENTIALS}
-
-        store_a, env_a = node("node-a")
-        with serve(vllm_python, tiny_llama, store_a, tmp_path, "node-a", env_a) as a:
-            tokens = a.tokens(PROMPT)
-            blocks = (len(tokens) - 1) // BLOCK
-            first = a.complete(PROMPT)
-            saved = _wait_stats(store_a, lambda s: s.get("remote_uploaded", 0) >= len(tokens) // BLOCK)
-        assert saved.get("remote_uploaded", 0) == len(tokens) // BLOCK, saved
-        assert len([k for k in endpoint.keys("fleet/") if "/c/" in k]) == len(tokens) // BLOCK
-
-        store_b, env_b = node("node-b")
-        with serve(vllm_python, tiny_llama, store_b, tmp_path, "node-b", env_b) as b:
-            second = b.complete(PROMPT)
-            served = _wait_stats(store_b, lambda s: s.get("loads_hit", 0) >= blocks)
-            third = b.complete(PROMPT)
-            again = _wait_stats(store_b, lambda s: _local_loads(s) - _local_loads(served) >= blocks)
-        assert second.text == first.text and third.text == first.text
-        assert served.get("remote_hits", 0) >= blocks and served.get("loads_hit", 0) == blocks, served
-        assert _delta(again, served, "remote_hits") == 0  # local now: node B's disk or its host tier
-        assert _local_loads(again) - _local_loads(served) == blocks, again
-    finally:
-        endpoint.stop()
+    store_b, env_b = _node_config(tmp_path, "node-b", node_a.endpoint.url)
+    with serve(vllm_python, tiny_llama, store_b, tmp_path, "node-b", env_b) as b:
+        second = b.complete(PROMPT)
+        served = _wait_stats(store_b, lambda s: s.get("loads_hit", 0) >= blocks)
+        third = b.complete(PROMPT)
+        again = _wait_stats(store_b, lambda s: _local_loads(s) - _local_loads(served) >= blocks)
+    assert second.text == first.text and third.text == first.text
+    assert served.get("remote_hits", 0) >= blocks and served.get("loads_hit", 0) == blocks, served
+    assert _delta(again, served, "remote_hits") == 0  # local now: node B's disk or its host tier
+    assert _local_loads(again) - _local_loads(served) == blocks, again
     print(f"\nvLLM with the remote tier: node B served {blocks} blocks from the bucket; TTFT node A (computed) "
           f"{first.ttft * 1000:.0f} ms, node B first (bucket) {second.ttft * 1000:.0f} ms, "
           f"second (local) {third.ttft * 1000:.0f} ms")
