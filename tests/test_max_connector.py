@@ -722,7 +722,8 @@ conn = create_gdskv_connector({"full": KVCacheGroupId.full()}, [types.SimpleName
                               [{"full": types.SimpleNamespace(buffers=[pages], replicated=False)}], params, 0)
 conn.offload({"full": list(range(blocks))}, {"full": [i.to_bytes(8, "big") for i in range(1, blocks + 1)]}, 0)
 print(conn.namespaces[0].id, flush=True)
-time.sleep(600)  # as a model worker waits for its next request
+while True:  # as MAX's model worker loops, sleeping at most 10 ms between scheduler iterations
+    time.sleep(0.01)
 """
 
 
