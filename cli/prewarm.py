@@ -28,10 +28,12 @@ import json
 import os
 import re
 import stat
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import click
 from rich.table import Table
@@ -410,7 +412,8 @@ class _ExternalRunner:
 class _TrtllmRunner(_ExternalRunner):
     """TensorRT-LLM's LLM API with gdskv's connector (needs ``tensorrt_llm``)."""
 
-    def __init__(self, cfg: GdsKvConfig, model: str, tokenizer: Optional[str], max_tokens: int) -> None:
+    def __init__(self, cfg: GdsKvConfig, model: str, tokenizer: Optional[str], max_tokens: int,
+                 engine_args: dict[str, Any]) -> None:
         try:
             from tensorrt_llm import LLM, SamplingParams
             from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig
@@ -421,7 +424,8 @@ class _TrtllmRunner(_ExternalRunner):
         self.llm = LLM(model=model, tokenizer=tokenizer, kv_cache_config=KvCacheConfig(enable_block_reuse=True),
                        kv_connector_config=KvCacheConnectorConfig(connector_module="gdskv.connectors.trtllm",
                                                                   connector_scheduler_class="GdsKvScheduler",
-                                                                  connector_worker_class="GdsKvWorker"))
+                                                                  connector_worker_class="GdsKvWorker"),
+                       **engine_args)
         self.tok = HfTokenizer(self.llm.tokenizer)
         self.max_tokens = max_tokens
         self.delta = _StoreDelta(cfg)
@@ -438,7 +442,7 @@ class _MaxRunner(_ExternalRunner):
     """Modular MAX's offline ``LLM`` with gdskv's KVConnector installed (needs ``max``), watched
     so that an engine that stops fails the run instead of hanging it (``OfflineLlm``)."""
 
-    def __init__(self, cfg: GdsKvConfig, model: str, max_tokens: int) -> None:
+    def __init__(self, cfg: GdsKvConfig, model: str, max_tokens: int, engine_args: dict[str, Any]) -> None:
         try:
             from max.pipelines.lib import PipelineArgs
         except ImportError:
@@ -450,7 +454,8 @@ class _MaxRunner(_ExternalRunner):
         os.environ.setdefault(ENV_MODEL, os.path.abspath(model) if os.path.isdir(model) else model)
         os.environ[ENV_HOOK] = "1"  # MAX's spawned model worker installs the hook too (gdskv.cli.main)
         install()
-        self.llm = OfflineLlm(PipelineArgs.from_flat_kwargs(model_path=model, kv_connector_config={"type": "rust_tiered"}))
+        self.llm = OfflineLlm(PipelineArgs.from_flat_kwargs(model_path=model, kv_connector_config={"type": "rust_tiered"},
+                                                            **engine_args))
         self.hf: Optional[HfTokenizer] = None
         self.model, self.max_tokens = model, max_tokens
         self.delta = _StoreDelta(cfg)
@@ -479,7 +484,8 @@ class _VllmRunner(_ExternalRunner):
     on (a prompt repeated within the run is served from the device); the connector saves every
     full block it computes."""
 
-    def __init__(self, cfg: GdsKvConfig, model: str, tokenizer: Optional[str], max_tokens: int) -> None:
+    def __init__(self, cfg: GdsKvConfig, model: str, tokenizer: Optional[str], max_tokens: int,
+                 engine_args: dict[str, Any]) -> None:
         try:
             from vllm import LLM, SamplingParams
             from vllm.config import KVTransferConfig
@@ -489,7 +495,8 @@ class _VllmRunner(_ExternalRunner):
         self.params = SamplingParams(max_tokens=1)
         self.llm = LLM(model=model, tokenizer=tokenizer, kv_transfer_config=KVTransferConfig(
             kv_connector="GdsKvConnector", kv_connector_module_path="gdskv.connectors.vllm", kv_role="kv_both",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"store_path": cfg.store_path}))
+            kv_load_failure_policy="recompute", kv_connector_extra_config={"store_path": cfg.store_path}),
+            **engine_args)
         self.tok = HfTokenizer(self.llm.get_tokenizer())
         self.max_tokens = max_tokens
         self.delta = _StoreDelta(cfg)
@@ -503,6 +510,35 @@ class _VllmRunner(_ExternalRunner):
 
 
 _STORE_HINT = "Pass --store PATH or set GDSKV_STORE."
+
+_SET_BY_PREWARM = {
+    "trtllm": ("model", "tokenizer", "kv_cache_config", "kv_connector_config"),
+    "vllm": ("model", "tokenizer", "kv_transfer_config"),
+    "max": ("model_path", "kv_connector_config"),
+}
+_PYTHON_WORDS = {"True": True, "False": False, "None": None}
+
+
+def parse_engine_args(engine: str, items: Sequence[str]) -> dict[str, Any]:
+    """``--engine-arg KEY=VALUE`` items as the keyword arguments of the engine's constructor:
+    ``-`` in a key becomes ``_`` (``block-size=32`` as on the engine's own command line), a value
+    is JSON where it parses (``32``, ``false``, ``{"a": 1}``) or True/False/None, else the string.
+    A usage problem for the reference engine, a malformed item, or a key prewarm sets itself."""
+    if items and engine == "reference":
+        raise UsageProblem("--engine-arg is for --engine trtllm, vllm and max (the reference engine takes none)")
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key.isidentifier():
+            raise UsageProblem(f"--engine-arg {item!r}: expected KEY=VALUE, e.g. block_size=32")
+        if key in _SET_BY_PREWARM[engine]:
+            raise UsageProblem(f"--engine-arg {key}: prewarm sets it itself (use --model / --tokenizer, or the gdskv config)")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = _PYTHON_WORDS.get(raw, raw)
+    return out
 
 
 def check_store(cfg: GdsKvConfig) -> None:
@@ -524,9 +560,12 @@ def check_store(cfg: GdsKvConfig) -> None:
         raise UsageProblem(f"{root} is not a gdskv store and cannot be one here ({why}); refusing to use it. {_STORE_HINT}") from None
 
 
-def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Optional[str], max_tokens: int, salt: Optional[str]) -> _Runner:
+def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Optional[str], max_tokens: int,
+            salt: Optional[str], engine_arg_items: Sequence[str] = ()) -> _Runner:
     """The engine's runner, its options checked first, then the store (``check_store``), then the
-    engine built; an error of the store or the connector at bring-up is a one-line usage problem."""
+    engine built; an error of the store or the connector at bring-up, or an engine argument the
+    engine refuses, is a one-line usage problem."""
+    engine_args = parse_engine_args(engine, engine_arg_items)
     if engine == "reference":
         if model not in (None, "reference"):
             raise UsageProblem("--engine reference runs its own model: leave --model out (or pass 'reference')")
@@ -545,14 +584,38 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
             assert tok is not None
             runner: _Runner = _ReferenceRunner(cfg, tok, max_tokens, salt)
         elif engine == "trtllm":
-            runner = _TrtllmRunner(cfg, model or "", tokenizer, max_tokens)
+            runner = _TrtllmRunner(cfg, model or "", tokenizer, max_tokens, engine_args)
         elif engine == "vllm":
-            runner = _VllmRunner(cfg, model or "", tokenizer, max_tokens)
+            runner = _VllmRunner(cfg, model or "", tokenizer, max_tokens, engine_args)
         else:
-            runner = _MaxRunner(cfg, model or "", max_tokens)
+            runner = _MaxRunner(cfg, model or "", max_tokens, engine_args)
     except (ConnectorSetupError, StoreError, OSError, EngineStopped) as e:
         raise UsageProblem(f"cannot start the {engine} engine on the store {cfg.store_path}: {' '.join(str(e).split())}") from None
+    except (TypeError, ValueError) as e:  # an engine argument the engine refuses (or a value of the wrong kind)
+        if not engine_args:
+            raise
+        raise UsageProblem(f"cannot start the {engine} engine with --engine-arg {', '.join(engine_args)}: "
+                           f"{' '.join(str(e).split())}") from None
     return runner
+
+
+@contextmanager
+def _engine_output_to_stderr(external: bool) -> Iterator[None]:
+    """While an engine in other processes runs (``external``), point file descriptor 1 at
+    stderr: vLLM logs to stdout, in this process and in the processes it starts (they inherit
+    the descriptor), and stdout carries prewarm's summary only (``--json`` is read by programs)."""
+    if not external:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 @click.command()
@@ -562,35 +625,40 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
 @click.option("--tokenizer", default=None, help="Tokenizer (Hugging Face id or path); default: the model's, or bytes for the reference engine.")
 @click.option("--cache-salt", "cache_salt", default=None, help="Cache salt mixed into every block key (reference engine).")
 @click.option("--max-prompt-tokens", "max_tokens", type=click.IntRange(1), default=4096, show_default=True, help="Longer prompts are skipped.")
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
+              help="Passed to the engine's constructor (vLLM's / TensorRT-LLM's LLM, MAX's PipelineArgs); give it the "
+                   "servers' settings (block_size=32, dtype=bfloat16, ...) so its KV pages are the ones they look up. "
+                   "VALUE is JSON where it parses, else a string. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--remote", is_flag=True, help="Then push the store's namespaces to [gdskv.remote], so a fleet is warmed once.")
 @click.pass_context
 def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Optional[str], tokenizer: Optional[str],
-            cache_salt: Optional[str], max_tokens: int, as_json: bool, remote: bool) -> None:
+            cache_salt: Optional[str], max_tokens: int, engine_args: tuple[str, ...], as_json: bool, remote: bool) -> None:
     """Prefill prompts from files through an engine with the connector, so their KV is stored."""
     cfg = config_of(ctx)
     if remote:
         remote_client(ctx)[1].close()  # no [gdskv.remote]: a usage error before any prompt runs
     items = read_prompts(prompts)  # before the store: a usage error here creates no store
-    runner = _runner(engine, cfg, model, tokenizer, max_tokens, cache_salt)
     summary = Summary(engine, prompts=len(items), blocks_present=0 if engine == "reference" else None)
-    t_all = time.perf_counter()
-    try:
-        with Work("prewarm", len(items), "prompts", status_every(ctx), bar=not as_json, detail=runner.progress) as work:
-            for p in items:
-                try:
-                    out = runner.run(p)
-                except Exception as e:  # one prompt's failure (empty, too long, engine error) skips it
-                    summary.failed.append({"source": p.source, "error": str(e) or type(e).__name__})
-                else:
-                    summary.done += 1
-                    summary.blocks_written += out.blocks_written
-                    summary.bytes_written += out.bytes_written
-                    if summary.blocks_present is not None and out.blocks_present is not None:
-                        summary.blocks_present += out.blocks_present
-                work.advance()
-    finally:
-        settled = runner.close()
+    with _engine_output_to_stderr(engine != "reference"):
+        runner = _runner(engine, cfg, model, tokenizer, max_tokens, cache_salt, engine_args)
+        t_all = time.perf_counter()
+        try:
+            with Work("prewarm", len(items), "prompts", status_every(ctx), bar=not as_json, detail=runner.progress) as work:
+                for p in items:
+                    try:
+                        out = runner.run(p)
+                    except Exception as e:  # one prompt's failure (empty, too long, engine error) skips it
+                        summary.failed.append({"source": p.source, "error": str(e) or type(e).__name__})
+                    else:
+                        summary.done += 1
+                        summary.blocks_written += out.blocks_written
+                        summary.bytes_written += out.bytes_written
+                        if summary.blocks_present is not None and out.blocks_present is not None:
+                            summary.blocks_present += out.blocks_present
+                    work.advance()
+        finally:
+            settled = runner.close()
     if settled is not None:
         summary.blocks_written, summary.bytes_written = settled.blocks_written, settled.bytes_written
     summary.seconds = time.perf_counter() - t_all

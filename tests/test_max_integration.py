@@ -184,7 +184,8 @@ class Session:
 
 def _start_prewarm(python: Path, model: Path, store: Path, prompts: Path) -> subprocess.Popen:
     return subprocess.Popen([str(python), "-m", "gdskv.cli.main", "--store", str(store), "prewarm", "--engine", "max",
-                             "--model", str(model), "--json", str(prompts)],
+                             "--model", str(model), "--engine-arg", "max_length=1024", "--engine-arg", "max_batch_size=1",
+                             "--json", str(prompts)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=_env({}),
                             cwd=REPO)
 

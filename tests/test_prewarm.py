@@ -235,6 +235,40 @@ def test_store_the_connector_cannot_use_is_not_a_silent_success(tmp_path: Path, 
     assert "could not use the store" in res.stderr and res.stdout == ""
 
 
+# --- --engine-arg ---------------------------------------------------------------------------------
+def test_engine_args_become_the_engines_keyword_arguments() -> None:
+    """JSON where it parses, Python's words, else the string; ``-`` in a key becomes ``_``."""
+    from gdskv.cli.prewarm import parse_engine_args
+
+    args = parse_engine_args("vllm", ["block-size=32", "enable_prefix_caching=false", "enforce_eager=True",
+                                      "dtype=bfloat16", 'speculative_config={"n": 2}', "max_model_len=1024", "seed=None"])
+    assert args == {"block_size": 32, "enable_prefix_caching": False, "enforce_eager": True, "dtype": "bfloat16",
+                    "speculative_config": {"n": 2}, "max_model_len": 1024, "seed": None}
+    assert parse_engine_args("max", ["kv_cache_page_size=128"]) == {"kv_cache_page_size": 128}
+    assert parse_engine_args("reference", []) == {}
+
+
+@pytest.mark.parametrize("engine, item, says", [
+    ("reference", "block_size=32", "the reference engine takes none"),
+    ("vllm", "block_size", "expected KEY=VALUE"),
+    ("vllm", "=32", "expected KEY=VALUE"),
+    ("vllm", "not a key=1", "expected KEY=VALUE"),
+    ("vllm", "kv_transfer_config={}", "prewarm sets it itself"),
+    ("max", "model-path=/x", "prewarm sets it itself"),
+    ("trtllm", "kv_cache_config={}", "prewarm sets it itself"),
+])
+def test_a_bad_engine_arg_is_a_one_line_usage_error_before_any_store_is_made(tmp_path: Path, engine: str, item: str,
+                                                                           says: str) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\n")
+    model = [] if engine == "reference" else ["--model", "some/model"]
+    res = cli(tmp_path / "store", "prewarm", str(prompts), "--engine", engine, *model, "--engine-arg", item)
+    no_traceback(res)
+    err = res.stderr.strip()
+    assert res.exit_code == 2 and len(err.splitlines()) == 1 and says in err, (res.exit_code, err)
+    assert not (tmp_path / "store").exists()
+
+
 # --- --engine vllm --------------------------------------------------------------------------------
 def test_vllm_engine_without_vllm_is_a_one_line_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where vLLM does not import, ``--engine vllm`` is exit 2 with one line naming what is missing

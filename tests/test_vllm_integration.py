@@ -17,7 +17,10 @@ vLLM's own prefix cache off (so every request asks the store, not the device):
 4. one chunk of the prompt corrupted: its load fails, vLLM recomputes that block (and what
    follows), the completion is the same, and the block is stored again;
 5. server 3 (node B), an empty store of its own and the same bucket: the prefix is served from
-   the bucket, then from node B's own store.
+   the bucket, then from node B's own store;
+6. ``gdskv prewarm --engine vllm`` (vLLM's offline ``LLM``) with the servers' settings as
+   ``--engine-arg``, on an empty store: exactly the chunk files server 1 saved, counted in its
+   ``--json`` summary.
 
 Time to first token of the runs and the bytes served are printed (``-s``) and in docs/vllm.md.
 Part of the default test run (``-m "not vllm"`` leaves it out): the first run on a machine
@@ -155,6 +158,14 @@ def serve(python: Path, model: Path, store: Path, work: Path, name: str,
                 server.wait()
 
 
+def _chunk_names(store: Path) -> frozenset[str]:
+    """The store's published chunk files, as paths relative to the store."""
+    from gdskv import format as fmt
+
+    return frozenset(str(p.relative_to(store)) for p in (store / "ns").glob("*/g*/c/**/*")
+                     if p.is_file() and fmt.TMP_MARK not in p.name)
+
+
 def _stats(store: Path) -> dict[str, int]:
     """The store's counters, summed over every process's counter file (what ``gdskv stats`` sums)."""
     total: dict[str, int] = {}
@@ -189,8 +200,9 @@ def _local_loads(stats: dict[str, int]) -> int:
 
 @dataclass
 class NodeA:
-    """The first server's run, shared by both tests: its store, the prompt's tokens and full
-    blocks, its completion, and the store's counters once every block was saved and uploaded."""
+    """The first server's run, shared by the tests: its store, the prompt's tokens and full
+    blocks, its completion, the store's counters once every block was saved and uploaded, and
+    the chunk files it saved (paths under the store: namespace, layer group, key)."""
 
     store: Path
     endpoint: MotoEndpoint
@@ -198,6 +210,7 @@ class NodeA:
     blocks: int
     first: Completion
     saved: dict[str, int]
+    chunks: frozenset[str]
 
 
 def _node_config(tmp: Path, name: str, endpoint_url: str) -> tuple[Path, dict[str, str]]:
@@ -222,7 +235,7 @@ def node_a(vllm_python: Path, tiny_llama: Path, tmp_path_factory: pytest.TempPat
             first = a.complete(PROMPT)
             full = len(tokens) // BLOCK
             saved = _wait_stats(store, lambda s: s.get("saves_published", 0) >= full and s.get("remote_uploaded", 0) >= full)
-        yield NodeA(store, endpoint, tokens, (len(tokens) - 1) // BLOCK, first, saved)
+        yield NodeA(store, endpoint, tokens, (len(tokens) - 1) // BLOCK, first, saved, _chunk_names(store))
     finally:
         endpoint.stop()
 
@@ -294,3 +307,24 @@ def test_a_node_with_an_empty_store_serves_the_prefix_from_the_bucket(vllm_pytho
     print(f"\nvLLM with the remote tier: node B served {blocks} blocks from the bucket; TTFT node A (computed) "
           f"{first.ttft * 1000:.0f} ms, node B first (bucket) {second.ttft * 1000:.0f} ms, "
           f"second (local) {third.ttft * 1000:.0f} ms")
+
+
+def test_prewarm_with_vllm_stores_what_a_server_of_the_same_settings_saves(vllm_python: Path, tiny_llama: Path,
+                                                                           node_a: NodeA, tmp_path: Path):
+    """``gdskv prewarm --engine vllm`` (vLLM's offline ``LLM``) given the servers' settings with
+    ``--engine-arg`` writes the prompt's full blocks as exactly the chunk files server 1 saved
+    (same namespace, same keys), so a server started on the prewarmed store finds them; its
+    summary counts them."""
+    store = tmp_path / "store"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
+    settings = ["dtype=bfloat16", f"block_size={BLOCK}", "max_model_len=1024", "enable_prefix_caching=false",
+                "enforce_eager=true"]
+    run = subprocess.run([str(vllm_python), "-m", "gdskv.cli.main", "--store", str(store), "prewarm", "--engine", "vllm",
+                          "--model", str(tiny_llama), "--json", *[f"--engine-arg={a}" for a in settings], str(prompts)],
+                         capture_output=True, text=True, errors="replace", cwd=tmp_path, timeout=START_TIMEOUT,
+                         env=_env({"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}))
+    assert run.returncode == 0, run.stderr[-4000:]
+    full = len(node_a.tokens) // BLOCK
+    assert json.loads(run.stdout)["blocks_written"] == full
+    assert _chunk_names(store) == node_a.chunks and len(node_a.chunks) == full
