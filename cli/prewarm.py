@@ -30,7 +30,7 @@ import re
 import stat
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
@@ -357,15 +357,16 @@ class _ReferenceRunner:
 
 
 class _StoreDelta:
-    """Blocks and bytes an external engine added, measured on the store (its counters live in
-    the engine's processes). Used by the TensorRT-LLM, vLLM and MAX runners around each prompt."""
+    """Blocks and bytes an external engine added over the whole run, measured on the store (its
+    counters live in the engine's processes): one scan when the runner is made, before any
+    prompt, and one by ``written`` once the engine stopped (its processes write as they stop), so
+    two scans whatever the number of prompts. Made by the TensorRT-LLM, vLLM and MAX runners."""
 
     def __init__(self, cfg: GdsKvConfig) -> None:
         from gdskv.store import PageStore
 
         self.store = PageStore.open(cfg.store_path)
-        self._first: Optional[tuple[int, int]] = None  # the scan before the first prompt
-        self._last: Optional[tuple[int, int]] = None  # the scan after the previous prompt, if it ran
+        self._start = self._measure()
 
     def _measure(self) -> tuple[int, int]:
         from gdskv.eviction import scan_store
@@ -373,28 +374,17 @@ class _StoreDelta:
         t = scan_store(self.store, with_parents=False)
         return len(t), t.total_bytes
 
-    def around(self, work: Callable[[], Any]) -> Outcome:
-        """Run ``work`` between two scans of the store; the scan after one prompt is the scan
-        before the next (one scan per prompt, not two)."""
-        before, self._last = self._last or self._measure(), None
-        self._first = self._first or before
-        work()
-        self._last = after = self._measure()
-        return Outcome(blocks_written=after[0] - before[0], bytes_written=after[1] - before[1])
-
-    def since_first(self) -> Optional[Outcome]:
-        """What the store gained since before the first prompt, scanned now; None when no
-        prompt ran. Called once the engine stopped."""
-        if self._first is None:
-            return None
+    def written(self) -> Outcome:
+        """What the store gained since the runner was made, scanned now."""
         now = self._measure()
-        return Outcome(blocks_written=now[0] - self._first[0], bytes_written=now[1] - self._first[1])
+        return Outcome(blocks_written=now[0] - self._start[0], bytes_written=now[1] - self._start[1])
 
 
 class _ExternalRunner:
     """An engine that runs in its own processes (TensorRT-LLM, MAX, vLLM): its counters live
-    there, so progress inside a prompt is not known here (only prompts done), and what it wrote
-    is measured on the store (``delta``), for the whole run after its processes ended."""
+    there, so neither progress inside a prompt nor what one prompt wrote is known here (``run``
+    answers an empty ``Outcome``); what the run wrote is measured on the store (``delta``)
+    after its processes ended."""
 
     delta: _StoreDelta
 
@@ -403,7 +393,7 @@ class _ExternalRunner:
 
     def close(self) -> Optional[Outcome]:
         self.stop()
-        return self.delta.since_first()
+        return self.delta.written()
 
     def stop(self) -> None:
         raise NotImplementedError
@@ -432,7 +422,8 @@ class _TrtllmRunner(_ExternalRunner):
 
     def run(self, prompt: Prompt) -> Outcome:
         ids = _tokenize(self.tok, prompt, self.max_tokens)
-        return self.delta.around(lambda: self.llm.generate([ids], self.params))
+        self.llm.generate([ids], self.params)
+        return Outcome()
 
     def stop(self) -> None:
         self.llm.shutdown()
@@ -472,7 +463,8 @@ class _MaxRunner(_ExternalRunner):
             raise ValueError("empty prompt")
         # MAX offloads the blocks a step committed at its next step: one token would end the
         # request before its prompt's blocks are written.
-        return self.delta.around(lambda: self.llm.generate([text], max_new_tokens=2))
+        self.llm.generate([text], max_new_tokens=2)
+        return Outcome()
 
     def stop(self) -> None:
         self.llm.close()
@@ -503,7 +495,8 @@ class _VllmRunner(_ExternalRunner):
 
     def run(self, prompt: Prompt) -> Outcome:
         ids = _tokenize(self.tok, prompt, self.max_tokens)
-        return self.delta.around(lambda: self.llm.generate([{"prompt_token_ids": ids}], self.params, use_tqdm=False))
+        self.llm.generate([{"prompt_token_ids": ids}], self.params, use_tqdm=False)
+        return Outcome()
 
     def stop(self) -> None:
         del self.llm
@@ -600,13 +593,10 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
 
 
 @contextmanager
-def _engine_output_to_stderr(external: bool) -> Iterator[None]:
-    """While an engine in other processes runs (``external``), point file descriptor 1 at
-    stderr: vLLM logs to stdout, in this process and in the processes it starts (they inherit
-    the descriptor), and stdout carries prewarm's summary only (``--json`` is read by programs)."""
-    if not external:
-        yield
-        return
+def _engine_output_to_stderr() -> Iterator[None]:
+    """While an engine in other processes runs, point file descriptor 1 at stderr: vLLM logs to
+    stdout, in this process and in the processes it starts (they inherit the descriptor), and
+    stdout carries prewarm's summary only (``--json`` is read by programs)."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -640,7 +630,7 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
         remote_client(ctx)[1].close()  # no [gdskv.remote]: a usage error before any prompt runs
     items = read_prompts(prompts)  # before the store: a usage error here creates no store
     summary = Summary(engine, prompts=len(items), blocks_present=0 if engine == "reference" else None)
-    with _engine_output_to_stderr(engine != "reference"):
+    with nullcontext() if engine == "reference" else _engine_output_to_stderr():
         runner = _runner(engine, cfg, model, tokenizer, max_tokens, cache_salt, engine_args)
         t_all = time.perf_counter()
         try:

@@ -293,25 +293,24 @@ def test_prewarm_reference(tmp_path: Path) -> None:
     assert run(root, "verify").exit_code == 0
 
 
-def test_store_delta_scans_the_store_once_per_prompt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The TensorRT-LLM / MAX / vLLM runners measure what a prompt added on the store; the scan
-    after one prompt is the scan before the next. Once the engine stopped, the whole run is
-    measured again from before the first prompt, so blocks it wrote as it stopped are counted."""
+def test_store_delta_counts_the_whole_run_in_two_scans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TensorRT-LLM / MAX / vLLM runners measure what the run added on the store: one scan
+    when the runner is made, one once the engine stopped, however many prompts ran between, so
+    blocks the engine wrote during its prompts and as it stopped are all counted, and nothing
+    that was there before."""
     from gdskv.cli.prewarm import _StoreDelta
     from gdskv.config import GdsKvConfig
 
     root = tmp_path / "store"
+    scans, measure = [], _StoreDelta._measure
+    monkeypatch.setattr(_StoreDelta, "_measure", lambda self: scans.append(1) or measure(self))
     delta = _StoreDelta(GdsKvConfig(store_path=str(root)))
-    scans, measure = [], delta._measure
-    monkeypatch.setattr(delta, "_measure", lambda: scans.append(1) or measure())
-    out = delta.around(lambda: build_store(root, _chains(1, 3)))
-    assert (out.blocks_written, out.bytes_written) == (6, 6 * CHUNK)  # 3 blocks in 2 groups
-    out = delta.around(lambda: None)
-    assert (out.blocks_written, out.bytes_written) == (0, 0) and len(scans) == 3
-    build_store(root, _chains(2, 3))  # written after the last prompt's scan: one new block in 2 groups
-    run_total = delta.since_first()
-    assert run_total is not None and (run_total.blocks_written, run_total.bytes_written) == (8, 8 * CHUNK)
-    assert _StoreDelta(GdsKvConfig(store_path=str(root))).since_first() is None  # no prompt ran
+    build_store(root, _chains(1, 3))  # the prompts: 3 blocks in 2 groups
+    build_store(root, _chains(2, 3))  # written as the engine stopped: one new block in 2 groups
+    run_total = delta.written()
+    assert (run_total.blocks_written, run_total.bytes_written) == (8, 8 * CHUNK) and len(scans) == 2
+    again = _StoreDelta(GdsKvConfig(store_path=str(root)))
+    assert (again.written().blocks_written, again.written().bytes_written) == (0, 0)  # what was there is not counted
 
 
 def test_prewarm_usage(tmp_path: Path) -> None:
