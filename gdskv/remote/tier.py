@@ -59,10 +59,10 @@ class RemoteTier:
         with self._lock:
             was_up = self.reachable
             self._down_until = time.monotonic() + self.rc.retry_after
-        self._count(ns, "remote_unreachable")
-        if was_up:
+        if was_up:  # before the count: whoever sees the count can also see the warning
             log.warning("gdskv: remote %s (endpoint %s) unreachable (%s); serving from the local store only, "
                         "retrying in %.1f s", self.rc.url, self.rc.endpoint or "AWS S3", detail, self.rc.retry_after)
+        self._count(ns, "remote_unreachable")
 
     def _count(self, ns: Optional[Namespace], name: str, n: int = 1) -> None:
         self.counters.add(name, n)
