@@ -589,7 +589,7 @@ def _measure_page_size(page_bytes: int, subjects: list[Any], options: BenchOptio
         pools[kind] = (source, target)
     del data
     samples: dict[str, dict[str, list[float]]] = {s.name: {} for s in subjects}
-    for rnd in range(options.rounds):
+    for rnd in range(options.rounds if subjects else 0):  # every subject may have been left out
         order = subjects[rnd % len(subjects):] + subjects[:rnd % len(subjects)]
         for subject in order:
             if subject not in subjects:

@@ -385,6 +385,22 @@ def scatter_copies(pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]])
     return copies
 
 
+def gather_all(pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]]) -> None:
+    """``gather`` of several pages into their flat host buffers, wherever the pages are: host
+    pages copied at once, the device copies all queued before one wait per device. Returns once
+    every byte is in place. Called on a transfer thread before a staged slice's native writes
+    (``PageTransfer._through_staging``)."""
+    queued: list[torch.Tensor] = []
+    try:
+        for buf, segments in pairs:
+            if all(s.device.type == "cpu" for s in segments):
+                gather(segments, buf)
+            else:
+                queued += _queue(buf, segments, into_segments=False)
+    finally:
+        _wait_for_devices(queued)
+
+
 def scatter_all(pairs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], threads: int) -> None:
     """``scatter`` of several entries, wherever their pages are: those in plain host memory in one
     ``scatter_many``, the others' copies all queued before one wait per device (not one per page).

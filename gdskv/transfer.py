@@ -31,11 +31,12 @@ from gdskv import checksum
 from gdskv import format as fmt
 from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path, touch_mtime
 from gdskv.futures import batch_futures, resolve_many
-from gdskv.hosttier import gather
+from gdskv.hosttier import gather, gather_all, scatter_all
 from gdskv.io import batch as batchio
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
-from gdskv.io.posix import aligned_host_buffer
+from gdskv.io.posix import staging_buffer
 from gdskv.priority import lower_this_thread
+from gdskv.staging import SliceStaging
 from gdskv.store import Namespace
 
 log = logging.getLogger(__name__)
@@ -87,11 +88,12 @@ class PageTransfer:
         """``checksum``: the payload checksum algorithm for saves (``gdskv.format.CHECKSUM_*``);
         None picks by where the page lives (``gdskv.checksum.seal``). ``auth_key``: the config's
         chunk key (``GdsKvConfig.auth_key()``): saves carry a MAC, loads require one.
-        ``stage_host``: move pages through a host buffer of this transfer thread (None: exactly
+        ``stage_host``: move pages through a host buffer of the transfer thread (None: exactly
         when a page is in device memory and the engine has no GDS, so it would bounce the page
-        through host memory anyway). A staged page is checksummed on the host copy (CRC32C: no
-        device work, no device scratch memory), and a staged load reaches the page only once
-        verified. ``background_nice``: how much nicer than the caller's thread the threads of
+        through host memory anyway): on the native path a slice's pages share one buffer
+        (``SliceStaging``), on the per-page path each thread has one. A staged page is
+        checksummed on the host copy (CRC32C: no device work, no device scratch memory), and a
+        staged load reaches the page only once verified. ``background_nice``: how much nicer than the caller's thread the threads of
         saves and of loads posted with ``background=True`` run (``gdskv.priority``); 0: one pool
         for everything, at the caller's priority."""
         self.ns = namespace
@@ -99,6 +101,7 @@ class PageTransfer:
         self._auth_key = auth_key
         self._stage_host = stage_host
         self._staging = threading.local()
+        self._slice_staging = SliceStaging()
         self.engine = engine
         self.depth = threads
         self._pool = _started_pool(threads, "gdskv-xfer", 0)
@@ -134,7 +137,7 @@ class PageTransfer:
         ``ready`` on the native path, started on native threads and finished by ``reap`` (see
         ``_later``), which seal the pages too."""
         jobs = [(key, parent, list(segs)) for key, parent, segs in items]
-        if ready is None and jobs and self._later_ready():
+        if ready is None and jobs and self._later_ready() and not self._any_staged(jobs, 2):
             return self._later(group, jobs, on_done, save=True)
         return self._batch(self._save, self._save_slice, group, jobs, ready, on_done, self._background)
 
@@ -229,7 +232,14 @@ class PageTransfer:
 
     def _save_slice(self, group: int, jobs: list[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
                     threads: int = 1) -> list[SaveStatus]:
-        """``_save`` for a slice of pages through the native batch path: checks and admission in
+        """``_save`` for a slice of pages through the native batch path (``_save_native``), its
+        pages to stage through ``SliceStaging`` first (``_through_staging``)."""
+        staged = self._through_staging(group, jobs, threads, save=True)
+        return staged if staged is not None else self._save_native(group, jobs, threads)
+
+    def _save_native(self, group: int, jobs: list[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
+                     threads: int = 1) -> list[SaveStatus]:
+        """``_save`` for a slice of pages in host memory: checks and admission in
         Python, then one call seals, writes and publishes every chunk with the GIL released, on
         ``threads`` native threads. A page the batch path cannot take, or that fails in it,
         goes through ``_save``."""
@@ -325,24 +335,54 @@ class PageTransfer:
         """Host views, one per segment, of this thread's staging buffer when the page is to be
         staged (see ``stage_host``); None otherwise. The buffer is pinned where CUDA is present
         and huge-page aligned otherwise (O_DIRECT moves it in place), grown to the page."""
-        stage = self._stage_host
-        if stage is None:
-            stage = not self.engine.gds_active and any(s.device.type != "cpu" for s in segments)
-        if not stage:
+        if not self._stages(segments):
             return None
         sizes = [s.numel() * s.element_size() for s in segments]
         buf = getattr(self._staging, "buf", None)
         if buf is None or buf.numel() < sum(sizes):
-            if torch.cuda.is_available():
-                buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
-            else:
-                buf = torch.frombuffer(aligned_host_buffer(sum(sizes)), dtype=torch.uint8)
-            self._staging.buf = buf
+            buf = self._staging.buf = staging_buffer(sum(sizes))
         views, off = [], 0
         for n in sizes:
             views.append(buf[off:off + n])
             off += n
         return views
+
+    def _stages(self, segments: Sequence[torch.Tensor]) -> bool:
+        """Whether a page moves through a host buffer (see ``stage_host``)."""
+        if self._stage_host is not None:
+            return self._stage_host
+        return not self.engine.gds_active and any(s.device.type != "cpu" for s in segments)
+
+    def _any_staged(self, jobs: Sequence[tuple], at: int) -> bool:
+        """Whether a page of ``jobs`` (its regions at ``at`` in each) moves through a host buffer:
+        such a batch goes to ``_batch``, whose slices stage it, not to ``_later``."""
+        return any(self._stages(job[at]) for job in jobs)
+
+    def _through_staging(self, group: int, jobs: Sequence[tuple], threads: int, save: bool) -> Optional[list[Any]]:
+        """A slice holding pages to stage (``_stages``, regions contiguous), a span at a time
+        through ``SliceStaging``: a save's staged pages are copied into the span's buffer (one
+        wait per device) and written from there natively; a load's are read and verified there
+        natively, and only the LOADED ones copied out into their pages (one wait per device), so
+        a bad chunk never reaches a page. None when the slice holds no page to stage."""
+        at = 2 if save else 1
+        staged = [self._stages(job[at]) and all(t.is_contiguous() for t in job[at]) for job in jobs]
+        if not any(staged):
+            return None
+        sizes = [sum(t.numel() * t.element_size() for t in job[at]) if st else 0 for job, st in zip(jobs, staged)]
+        out: list[Any] = []
+        for span in self._slice_staging.spans(sizes):
+            sub = [jobs[i] for i in span]
+            carved = self._slice_staging.carve([jobs[i][at] if staged[i] else None for i in span])
+            host_jobs = [job if c is None else (*job[:at], c[1], *job[at + 1:]) for job, c in zip(sub, carved)]
+            if save:
+                gather_all([(c[0], job[at]) for job, c in zip(sub, carved) if c is not None])
+                out += self._save_native(group, host_jobs, threads)
+            else:
+                results = self._load_native(group, host_jobs, threads)
+                scatter_all([(c[0], job[at]) for job, c, r in zip(sub, carved, results)
+                             if c is not None and r is LoadStatus.LOADED], threads)
+                out += results
+        return out
 
     def _store_state(self) -> str:
         """A note for log lines when the store's directory itself was removed under this process."""
@@ -376,7 +416,7 @@ class PageTransfer:
         ``background``: no forward pass waits for these pages (an asynchronous load): they move
         on the background threads."""
         jobs = [(item[0], list(item[1]), item[2] if len(item) > 2 else None) for item in items]
-        if background and ready is None and jobs and self._later_ready():
+        if background and ready is None and jobs and self._later_ready() and not self._any_staged(jobs, 1):
             return self._later(group, jobs, on_done, save=False)
         return self._batch(self._load, self._load_slice, group, jobs, ready, on_done,
                            self._background if background else self._pool)
@@ -431,9 +471,8 @@ class PageTransfer:
 
     def _batchable(self) -> bool:
         """Whether slices may go to the native batch path: an engine that batches chunks (the
-        POSIX engine with the extension built and working; kvikio moves device memory itself),
-        no host staging forced."""
-        return self.engine.batches_chunks and not self._stage_host
+        POSIX engine with the extension built and working; kvikio moves device memory itself)."""
+        return self.engine.batches_chunks
 
     def _load(self, group: int, key: bytes, segments: list[torch.Tensor], via: Optional[torch.Tensor] = None) -> LoadStatus:
         """One page on the per-page path; a LOADED page's payload is copied into ``via`` too."""
@@ -487,7 +526,14 @@ class PageTransfer:
 
     def _load_slice(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor], Optional[torch.Tensor]]],
                     threads: int = 1) -> list[LoadStatus]:
-        """``_load`` for a slice of pages through the native batch path: one call opens, reads
+        """``_load`` for a slice of pages through the native batch path (``_load_native``), its
+        pages to stage read into ``SliceStaging`` first (``_through_staging``)."""
+        staged = self._through_staging(group, jobs, threads, save=False)
+        return staged if staged is not None else self._load_native(group, jobs, threads)
+
+    def _load_native(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor], Optional[torch.Tensor]]],
+                     threads: int = 1) -> list[LoadStatus]:
+        """``_load`` for a slice of pages in host memory: one call opens, reads
         and checksums every chunk with the GIL released, on ``threads`` native threads (a page
         with a ``via`` buffer gets a copy of its payload there, in the same pass) and, without an
         auth key, verifies each trailer against what this page's must say
@@ -631,7 +677,7 @@ class PageTransfer:
         starts an asynchronous load: ``on_done`` runs and the returned future resolves
         ``LOADED`` in the ``reap`` that collects them. ``KvService.load_many`` serves an
         asynchronous load's host-tier hits this way. None where there is no native path (kvikio,
-        staging forced, closed) or it cannot start: the caller copies them its own way."""
+        closed) or it cannot start: the caller copies them its own way."""
         if not copies or not self._later_ready():
             return None
         fut = batch_futures(1, self._hurried)[0]

@@ -6,6 +6,7 @@ a round trip in a fresh subprocess with ``KVIKIO_COMPAT_MODE=ON``.
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from gdskv.io.base import IoEngine, Segment, ShortReadError
-from gdskv.io.capabilities import cuda_driver_present, kvikio_available
+from gdskv.io.capabilities import cuda_driver_present, gds_available, kvikio_available
 from gdskv.io import posix
 from gdskv.io.posix import PosixEngine, aligned_host_buffer
 
@@ -172,6 +173,27 @@ def test_capability_probes_never_raise(driver: str) -> None:
     assert isinstance(present, bool)
     if driver == "double":
         assert not present, "the driver test double must never count as a CUDA driver"
+    assert isinstance(gds_available(), bool)
+
+
+def test_auto_picks_kvikio_only_where_it_moves_pages_through_gds(driver: str, monkeypatch) -> None:
+    """Without GDS kvikio's compat mode is a slower POSIX path (4x at 256 KiB on an H200 machine):
+    ``auto`` takes the POSIX engine there, even with a CUDA device present, and kvikio where GDS
+    is available; an engine named in the config is taken as asked."""
+    import gdskv.io
+    from gdskv.config import GdsKvConfig
+    from gdskv.io import capabilities, engine_choice
+
+    assert engine_choice(GdsKvConfig(engine="auto")) == ("kvikio" if gds_available() else "posix")
+    if driver == "double":  # a device claimed; the double's cuFile reports no GDS
+        for module in (capabilities, gdskv.io):
+            monkeypatch.setattr(module, "cuda_driver_present", lambda: True, raising=False)
+        monkeypatch.setattr(capabilities, "gds_available", functools.lru_cache(maxsize=1)(capabilities.gds_available.__wrapped__))
+        monkeypatch.setattr(gdskv.io, "gds_available", capabilities.gds_available)
+        assert not capabilities.gds_available()
+        assert engine_choice(GdsKvConfig(engine="auto")) == "posix"
+    assert engine_choice(GdsKvConfig(engine="kvikio")) == "kvikio"
+    assert engine_choice(GdsKvConfig(engine="posix")) == "posix"
 
 
 def test_kvikio_round_trip_in_a_fresh_process(driver: str, tmp_path: Path) -> None:

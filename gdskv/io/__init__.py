@@ -5,7 +5,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from gdskv.config import ConfigError, GdsKvConfig
-from gdskv.io.capabilities import cuda_driver_present, kvikio_available
+from gdskv.io.capabilities import gds_available, kvikio_available
 
 if TYPE_CHECKING:
     from gdskv.io.base import IoEngine
@@ -25,10 +25,13 @@ def __getattr__(name: str) -> Any:
 
 
 def engine_choice(cfg: GdsKvConfig) -> str:
-    """``"kvikio"`` or ``"posix"``: what ``make_engine`` builds for this config (``auto`` picks
-    kvikio when it is installed and a CUDA driver is present)."""
+    """``"kvikio"`` or ``"posix"``: what ``make_engine`` builds for this config. ``auto`` picks
+    kvikio where it moves pages through GPUDirect Storage, POSIX everywhere else: kvikio's compat
+    mode loaded 256 KiB pages 4x slower than the POSIX engine's batched path on an H200 machine
+    without GDS (0.45 against 1.74 GB/s into pinned memory, 0.39 against 0.87 into device
+    memory) and read cached chunks at the disk's speed, and it was no faster at 4 MiB."""
     if cfg.engine == "auto":
-        return "kvikio" if kvikio_available() and cuda_driver_present() else "posix"
+        return "kvikio" if gds_available() else "posix"
     return cfg.engine
 
 

@@ -1,14 +1,16 @@
-"""What this machine offers for I/O: a CUDA driver with a device, and an importable kvikio.
+"""What this machine offers for I/O: a CUDA driver with a device, an importable kvikio, and
+GPUDirect Storage behind it.
 
 Called by ``gdskv.io.make_engine`` when the config says ``engine = "auto"``, by ``gdskv demo`` /
 ``gdskv info`` to report the platform, and by the test suite to decide whether the CUDA driver test
-double may be loaded. Both probes are cached for the life of the process and never raise.
+double may be loaded. The probes are cached for the life of the process and never raise.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import importlib
+from typing import Any
 
 _CUDA_SUCCESS = 0
 
@@ -40,3 +42,25 @@ def kvikio_available() -> bool:
     except Exception:  # not installed, or installed without its native libraries
         return False
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def gds_available() -> bool:
+    """True when kvikio imports, a CUDA driver is present and cuFile reports GPUDirect Storage
+    (the nvidia-fs driver), with kvikio's compat mode not forced. Opens the cuFile driver."""
+    if not (kvikio_available() and cuda_driver_present()):
+        return False
+    return gds_usable(importlib.import_module("kvikio"))
+
+
+def gds_usable(kvikio: Any) -> bool:
+    """Whether ``kvikio``, as configured now, will use cuFile with the nvidia-fs driver, i.e. real
+    GPUDirect Storage (``KvikioEngine`` asks after applying its settings)."""
+    try:
+        if kvikio.defaults.is_compat_mode_preferred():
+            return False
+        import kvikio.cufile_driver
+
+        return bool(kvikio.cufile_driver.get("is_gds_available"))
+    except Exception:  # no cuFile library, no driver: compat mode
+        return False

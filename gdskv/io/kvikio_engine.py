@@ -49,6 +49,7 @@ import torch
 
 from gdskv.confined import open_data_file
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
+from gdskv.io.capabilities import gds_usable
 from gdskv.io.handles import HandleCache
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class KvikioEngine(IoEngine):
         self.task_size = task_size
         self.fsync = fsync
         self.file_mode = file_mode
-        self._gds = _gds_usable(kvikio)
+        self._gds = gds_usable(kvikio)
         self._calls = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-kvikio")
         self._registered: dict[tuple[str, int], torch.Tensor] = {}  # allocation -> the view registered
         self._registered_lock = threading.Lock()
@@ -382,15 +383,3 @@ def _os_error(exc: BaseException, path: str) -> OSError:
         if text.endswith(strerror):
             return OSError(code, f"{strerror} (kvikio: {text})", path)
     return OSError(errno.EIO, f"kvikio I/O failed: {text}", path)
-
-
-def _gds_usable(kvikio: Any) -> bool:
-    """Whether kvikio will use cuFile with the nvidia-fs driver, i.e. real GPUDirect Storage."""
-    try:
-        if kvikio.defaults.is_compat_mode_preferred():
-            return False
-        import kvikio.cufile_driver
-
-        return bool(kvikio.cufile_driver.get("is_gds_available"))
-    except Exception:  # no cuFile library, no driver: compat mode
-        return False

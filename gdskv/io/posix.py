@@ -79,7 +79,7 @@ class PosixEngine(IoEngine):
         direct read path slices the view, cheaper than tensor slicing on every page)."""
         pair = getattr(self._bounce, "pair", None)
         if pair is None or pair[0].numel() < nbytes:
-            buf = _staging_buffer(nbytes)
+            buf = staging_buffer(nbytes)
             pair = self._bounce.pair = (buf, memoryview(buf.numpy()))
         return pair
 
@@ -166,7 +166,7 @@ class PosixEngine(IoEngine):
         except queue.Empty:
             buf = None
         if buf is None or buf.numel() < need:
-            buf = _staging_buffer(need)
+            buf = staging_buffer(need)
         return buf, need
 
     def read_now(self, path: str, segments: Sequence[Segment]) -> int:
@@ -286,9 +286,10 @@ class PosixEngine(IoEngine):
         self._pool.shutdown(wait=True)
 
 
-def _staging_buffer(nbytes: int) -> torch.Tensor:
+def staging_buffer(nbytes: int) -> torch.Tensor:
     """Page-aligned host memory for staging: pinned where CUDA is present (device segments are
-    copied through it), huge-page-backed otherwise."""
+    copied through it), huge-page-backed otherwise. Called by this engine and by
+    ``PageTransfer`` / ``SliceStaging`` for their staging buffers."""
     if torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     return torch.frombuffer(aligned_host_buffer(nbytes), dtype=torch.uint8)
