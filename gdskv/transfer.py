@@ -372,16 +372,16 @@ class PageTransfer:
         out: list[Any] = []
         for span in self._slice_staging.spans(sizes):
             sub = [jobs[i] for i in span]
-            carved = self._slice_staging.carve([jobs[i][at] if staged[i] else None for i in span])
-            host_jobs = [job if c is None else (*job[:at], c[1], *job[at + 1:]) for job, c in zip(sub, carved)]
-            if save:
-                gather_all([(c[0], job[at]) for job, c in zip(sub, carved) if c is not None])
-                out += self._save_native(group, host_jobs, threads)
-            else:
-                results = self._load_native(group, host_jobs, threads)
-                scatter_all([(c[0], job[at]) for job, c, r in zip(sub, carved, results)
-                             if c is not None and r is LoadStatus.LOADED], threads)
-                out += results
+            with self._slice_staging.carved([jobs[i][at] if staged[i] else None for i in span]) as carved:
+                host_jobs = [job if c is None else (*job[:at], c[1], *job[at + 1:]) for job, c in zip(sub, carved)]
+                if save:
+                    gather_all([(c[0], job[at]) for job, c in zip(sub, carved) if c is not None])
+                    out += self._save_native(group, host_jobs, threads)
+                else:
+                    results = self._load_native(group, host_jobs, threads)
+                    scatter_all([(c[0], job[at]) for job, c, r in zip(sub, carved, results)
+                                 if c is not None and r is LoadStatus.LOADED], threads)
+                    out += results
         return out
 
     def _store_state(self) -> str:

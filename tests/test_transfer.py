@@ -143,13 +143,17 @@ def test_slice_staging_spans_fit_the_limit_and_pages_start_on_4k_boundaries():
     assert staging.spans([40_000, 100, 0, 0, 100]) == [range(0, 1), range(1, 5)]  # an oversized page alone
     assert staging.spans([]) == []
     a, b = [torch.zeros(100, dtype=torch.uint8), torch.zeros(5000, dtype=torch.uint8)], [torch.zeros(7, dtype=torch.uint8)]
-    carved = staging.carve([a, None, b])
-    assert carved[1] is None
-    (flat_a, views_a), (flat_b, views_b) = carved[0], carved[2]
-    assert [v.numel() for v in views_a] == [100, 5000] and flat_a.numel() == 5100 and views_b[0].numel() == 7
-    assert views_a[1].data_ptr() == views_a[0].data_ptr() + 100  # regions end to end, as in the chunk
-    assert flat_a.data_ptr() % 4096 == 0 and flat_b.data_ptr() - flat_a.data_ptr() == 8192
-    assert staging.carve([b])[0][0].data_ptr() == flat_a.data_ptr()  # the thread's buffer, reused
+    with staging.carved([a, None, b]) as carved:
+        assert carved[1] is None
+        (flat_a, views_a), (flat_b, views_b) = carved[0], carved[2]
+        assert [v.numel() for v in views_a] == [100, 5000] and flat_a.numel() == 5100 and views_b[0].numel() == 7
+        assert views_a[1].data_ptr() == views_a[0].data_ptr() + 100  # regions end to end, as in the chunk
+        assert flat_a.data_ptr() % 4096 == 0 and flat_b.data_ptr() - flat_a.data_ptr() == 8192
+        with staging.carved([b]) as meanwhile:  # a span moving at the same time gets a buffer of its own
+            assert meanwhile[0][0].data_ptr() != flat_a.data_ptr()
+    with staging.carved([b]) as later:
+        assert later[0][0].data_ptr() in (flat_a.data_ptr(), meanwhile[0][0].data_ptr())  # buffers go back, reused
+    assert len(staging._free) == 2
 
 
 class _Ready:
