@@ -6,6 +6,7 @@ step's staged pages go through the native batch path a span of one shared buffer
 runs that with device memory)."""
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -75,13 +76,15 @@ def test_pages_of_different_sizes_share_one_growing_staging_buffer(store_path):
 
 
 class _Spy:
-    """Counts the pages a module function of ``gdskv.transfer`` is called with, then calls it."""
+    """Counts the pages a module function of ``gdskv.transfer`` is called with (from any transfer
+    thread), then calls it."""
 
     def __init__(self, fn):
-        self.fn, self.pages = fn, 0
+        self.fn, self.pages, self._lock = fn, 0, threading.Lock()
 
     def __call__(self, pairs, *args):
-        self.pages += len(pairs)
+        with self._lock:
+            self.pages += len(pairs)
         return self.fn(pairs, *args)
 
 
