@@ -22,6 +22,8 @@ STAGE_BYTES = 32 << 20
 """Most bytes staged at once per span (a slice of larger pages goes in several spans): a few
 requests per native thread, without pinning a slice's worth of 4 MiB pages per span."""
 ALIGN = 4096
+Carved = Optional[tuple[torch.Tensor, list[torch.Tensor]]]
+"""A page's share of a span's buffer: its flat view and its per-region views (None: not staged)."""
 
 
 class SliceStaging:
@@ -50,18 +52,20 @@ class SliceStaging:
         return out
 
     @contextlib.contextmanager
-    def carved(self, pages: Sequence[Optional[Sequence[torch.Tensor]]]
-               ) -> Iterator[list[Optional[tuple[torch.Tensor, list[torch.Tensor]]]]]:
+    def carved(self, pages: Sequence[Optional[Sequence[torch.Tensor]]]) -> Iterator[list[Carved]]:
         """For each page to stage (None for one that is not), a flat ``uint8`` view of a lent
         buffer as long as the page, and its per-region views (same sizes, end to end: what the
         chunk holds and its checksum covers), each page starting on a 4 KiB boundary; the
         buffer goes back when the block ends, and the views must not be used after it."""
         sizes = [None if p is None else [t.numel() * t.element_size() for t in p] for p in pages]
         total = sum(_aligned(sum(s)) for s in sizes if s is not None)
+        if all(s is None for s in sizes):  # nothing to stage in this span: no buffer lent
+            yield [None] * len(sizes)
+            return
         with self._lock:
             buf = self._free.pop() if self._free else None
         if buf is None or buf.numel() < total:
-            buf = staging_buffer(max(total, min(self.limit, 2 * total)))
+            buf = staging_buffer(max(total, ALIGN, min(self.limit, 2 * total)))
         try:
             yield _carve(buf, sizes)
         finally:
@@ -69,8 +73,8 @@ class SliceStaging:
                 self._free.append(buf)
 
 
-def _carve(buf: torch.Tensor, sizes: Sequence[Optional[Sequence[int]]]) -> list[Optional[tuple[torch.Tensor, list[torch.Tensor]]]]:
-    out: list[Optional[tuple[torch.Tensor, list[torch.Tensor]]]] = []
+def _carve(buf: torch.Tensor, sizes: Sequence[Optional[Sequence[int]]]) -> list[Carved]:
+    out: list[Carved] = []
     off = 0
     for s in sizes:
         if s is None:

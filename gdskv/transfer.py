@@ -93,9 +93,10 @@ class PageTransfer:
         through host memory anyway): on the native path a slice's pages share one buffer
         (``SliceStaging``), on the per-page path each thread has one. A staged page is
         checksummed on the host copy (CRC32C: no device work, no device scratch memory), and a
-        staged load reaches the page only once verified. ``background_nice``: how much nicer than the caller's thread the threads of
-        saves and of loads posted with ``background=True`` run (``gdskv.priority``); 0: one pool
-        for everything, at the caller's priority."""
+        staged load reaches the page only once verified. ``background_nice``: how much nicer
+        than the caller's thread the threads of saves and of loads posted with
+        ``background=True`` run (``gdskv.priority``); 0: one pool for everything, at the caller's
+        priority."""
         self.ns = namespace
         self._checksum = checksum
         self._auth_key = auth_key

@@ -145,6 +145,9 @@ def test_slice_staging_spans_fit_the_limit_and_pages_start_on_4k_boundaries():
     assert staging.spans([7196, 7196, 7196, 7196, 7196]) == [range(0, 2), range(2, 4), range(4, 5)]
     assert staging.spans([40_000, 100, 0, 0, 100]) == [range(0, 1), range(1, 5)]  # an oversized page alone
     assert staging.spans([]) == []
+    assert staging.spans([40_000, 0, 0]) == [range(0, 1), range(1, 3)]
+    with staging.carved([None, None]) as nothing:  # a span with no page to stage borrows no buffer
+        assert nothing == [None, None] and staging._free == []
     a, b = [torch.zeros(100, dtype=torch.uint8), torch.zeros(5000, dtype=torch.uint8)], [torch.zeros(7, dtype=torch.uint8)]
     with staging.carved([a, None, b]) as carved:
         assert carved[1] is None
