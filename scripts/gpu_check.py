@@ -357,9 +357,7 @@ class Checks:
                 regions[0].fill_(3.0)
             ready = torch.cuda.Event()
             ready.record(side)
-            t0 = time.perf_counter()
             saved = [f.result() for f in transfer.save_pages(0, [(k, None, page_segments(group, s)) for s, k in enumerate(keys)], ready)]
-            t_save = time.perf_counter() - t0
             assert all(s is SaveStatus.PUBLISHED for s in saved), saved
             regions[0].zero_()
             self.sync()
@@ -369,8 +367,10 @@ class Checks:
             assert all(s is LoadStatus.LOADED for s in loaded), loaded
             assert bool((regions[0] == 3.0).all()), "a batch saved a page before its producer finished, or loaded wrong bytes"
             nbytes = regions[0].numel() * regions[0].element_size()
-            return Result("batched transfers", PASS, f"64 pages of {nbytes // 64 // KiB} KiB as one batch behind one event: "
-                          f"save {nbytes / t_save / 1e9:.2f} GB/s, load {nbytes / t_load / 1e9:.2f} GB/s (page cache warm), verified")
+            # no save rate: the save waits for the producer's sleeping kernel by design
+            return Result("batched transfers", PASS, f"64 pages of {nbytes // 64 // KiB} KiB saved as one batch behind one "
+                          f"event (the producer's writes saved), loaded at {nbytes / t_load / 1e9:.2f} GB/s "
+                          "(page cache warm, first batch), verified")
         finally:
             transfer.close()
 
