@@ -1,7 +1,8 @@
 """kvikio I/O engine: ``kvikio.CuFile`` reads and writes, GPUDirect Storage where the platform has it.
 
 Made by ``gdskv.io.make_engine`` when the config asks for ``engine = "kvikio"`` (or ``"auto"`` finds
-kvikio and a CUDA driver); used by the transfer layer (``gdskv.transfer``) for every chunk file.
+GPUDirect Storage: ``capabilities.gds_available``); used by the transfer layer (``gdskv.transfer``)
+for every chunk file.
 
 Each call opens one ``CuFile`` for the call's path, issues the segments with kvikio's asynchronous
 ``pread``/``pwrite`` (which split each segment into ``task_size`` tasks on kvikio's own thread
