@@ -352,12 +352,15 @@ class PageTransfer:
         """Whether a page moves through a host buffer (see ``stage_host``)."""
         if self._stage_host is not None:
             return self._stage_host
-        return not self.engine.gds_active and any(s.device.type != "cpu" for s in segments)
+        return not self.engine.gds_active and not all(s.is_cpu for s in segments)
 
     def _any_staged(self, jobs: Sequence[tuple], at: int) -> bool:
         """Whether a page of ``jobs`` (its regions at ``at`` in each) moves through a host buffer:
-        such a batch goes to ``_batch``, whose slices stage it, not to ``_later``."""
-        return any(self._stages(job[at]) for job in jobs)
+        such a batch goes to ``_batch``, whose slices stage it, not to ``_later``. Asked of every
+        step: a 4096-page step of host pages costs a fraction of a millisecond."""
+        if self._stage_host is not None:
+            return self._stage_host and bool(jobs)
+        return not self.engine.gds_active and not all(t.is_cpu for job in jobs for t in job[at])
 
     def _through_staging(self, group: int, jobs: Sequence[tuple], threads: int, save: bool) -> Optional[list[Any]]:
         """A slice holding pages to stage (``_stages``, regions contiguous), a span at a time
@@ -366,6 +369,8 @@ class PageTransfer:
         natively, and only the LOADED ones copied out into their pages (one wait per device), so
         a bad chunk never reaches a page. None when the slice holds no page to stage."""
         at = 2 if save else 1
+        if not self._any_staged(jobs, at):
+            return None
         staged = [self._stages(job[at]) and all(t.is_contiguous() for t in job[at]) for job in jobs]
         if not any(staged):
             return None
