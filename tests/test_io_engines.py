@@ -196,6 +196,22 @@ def test_auto_picks_kvikio_only_where_it_moves_pages_through_gds(driver: str, mo
     assert engine_choice(GdsKvConfig(engine="posix")) == "posix"
 
 
+def test_kvikio_asked_for_without_gds_is_built_with_a_warning(driver: str, caplog) -> None:
+    from gdskv.config import GdsKvConfig
+    from gdskv.io import make_engine
+
+    with caplog.at_level("WARNING", logger="gdskv.io"):
+        engine = make_engine(GdsKvConfig(engine="kvikio"))
+    try:
+        assert engine.name == "kvikio"
+        if not engine.gds_active:
+            assert "no GPUDirect Storage" in caplog.text and "compat mode" in caplog.text
+        else:
+            assert "GPUDirect" not in caplog.text
+    finally:
+        engine.close()
+
+
 def test_kvikio_round_trip_in_a_fresh_process(driver: str, tmp_path: Path) -> None:
     """The double loaded by a new process before its first kvikio I/O, with compat mode forced."""
     script = textwrap.dedent(
