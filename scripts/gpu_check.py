@@ -15,6 +15,9 @@ serve them, and the page cache would hide the disk). The checks, one row each:
   reported available but no byte moved through it is a FAIL;
 - ``concurrent saves``: 32 pages of a two-region pool (unaligned regions) saved at once through
   ``PageTransfer`` from CUDA slots, loaded into a zeroed pool, compared; a flipped byte is CORRUPT;
+- ``batched transfers``: 64 CUDA pages saved as one ``save_pages`` batch behind one event
+  recorded after a producer kernel, then loaded back verified (the native path, the pages staged
+  through one pinned buffer where there is no GDS);
 - ``save ready event`` / ``save race control``: a producer kernel on a side stream
   (``torch.cuda._sleep`` then a fill of the page); saved with the event recorded after it, the
   chunk must hold the filled bytes; saved without it (negative control) it must not, else the
