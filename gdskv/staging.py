@@ -81,13 +81,19 @@ def _carve(buf: torch.Tensor, sizes: Sequence[Optional[Sequence[int]]]) -> list[
             out.append(None)
             continue
         flat = buf[off:off + sum(s)]
-        views, at = [], 0
-        for n in s:
-            views.append(flat[at:at + n])
-            at += n
-        out.append((flat, views))
+        out.append((flat, region_views(flat, s)))
         off += _aligned(sum(s))
     return out
+
+
+def region_views(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Views of ``flat`` of ``sizes`` bytes each, end to end from its start: a staged page's
+    regions as its chunk holds them. Called by ``_carve`` and ``PageTransfer._staged``."""
+    views, at = [], 0
+    for n in sizes:
+        views.append(flat[at:at + n])
+        at += n
+    return views
 
 
 def _aligned(n: int) -> int:

@@ -36,7 +36,7 @@ from gdskv.io import batch as batchio
 from gdskv.io.base import Buffer, IoEngine, Segment, ShortReadError, tensor_bytes
 from gdskv.io.posix import staging_buffer
 from gdskv.priority import lower_this_thread
-from gdskv.staging import SliceStaging
+from gdskv.staging import SliceStaging, region_views
 from gdskv.store import Namespace
 
 log = logging.getLogger(__name__)
@@ -342,11 +342,7 @@ class PageTransfer:
         buf = getattr(self._staging, "buf", None)
         if buf is None or buf.numel() < sum(sizes):
             buf = self._staging.buf = staging_buffer(sum(sizes))
-        views, off = [], 0
-        for n in sizes:
-            views.append(buf[off:off + n])
-            off += n
-        return views
+        return region_views(buf, sizes)
 
     def _stages(self, segments: Sequence[torch.Tensor]) -> bool:
         """Whether a page moves through a host buffer (see ``stage_host``)."""

@@ -31,8 +31,8 @@ def engine_choice(cfg: GdsKvConfig) -> str:
     """``"kvikio"`` or ``"posix"``: what ``make_engine`` builds for this config. ``auto`` picks
     kvikio where it moves pages through GPUDirect Storage, POSIX everywhere else: kvikio's compat
     mode loaded 256 KiB pages 4x slower than the POSIX engine's batched path on an H200 machine
-    without GDS (0.45 against 1.74 GB/s into pinned memory, 0.39 against 0.87 into device
-    memory) and read cached chunks at the disk's speed, and it was no faster at 4 MiB."""
+    without GDS (0.31 against 1.39 GB/s into pinned memory, 0.32 against 1.27 into device
+    memory, one run) and read cached chunks at the disk's speed, and it was no faster at 4 MiB."""
     if cfg.engine == "auto":
         return "kvikio" if gds_available() else "posix"
     return cfg.engine
