@@ -26,7 +26,10 @@
  *   while the kernel's copy of it is in cache. On success the file's mtime is refreshed
  *   (eviction ranks by recency) and its atime left alone (a lookup's lease).
  *   direct: read chunks mostly not in the page cache with O_DIRECT, aligned pieces in place and
- *   the rest through an aligned staging buffer.
+ *   the rest through an aligned staging buffer. "Aligned": whole 4 KiB blocks at an address the
+ *   file system's direct I/O takes (statx's STATX_DIOALIGN: on NVMe any 4-byte-aligned address,
+ *   so torch's own CPU tensors, 64 bytes past a page boundary, are read in place; 512 on
+ *   virtio disks; a page boundary where the kernel does not say).
  * write_chunks(root_fd, jobs, crc_fn, file_mode, chmod, sync, direct, threads, ..., dir_mode,
  *   dir_chmod) -> list[err]
  *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces[, seal]), ...]; writes the pieces end to
@@ -36,7 +39,7 @@
  *   own, so no Python reads the page. A missing dir is made first, with its parents (dir_mode,
  *   or -1: ENOENT instead), so the first saves into a new store take this path too.
  *   direct: the file's whole 4 KiB blocks go out with O_DIRECT (from the pieces where they are
- *   aligned, else from an aligned staging copy) and, once that write returned, the rest (the
+ *   aligned, as reads judge it, else from an aligned staging copy) and, once that write returned, the rest (the
  *   payload's last partial block and the trailer) through the page cache; the file is
  *   preallocated first so both land in one extent.
  * threads: jobs of one call run on that many threads of its own (at most 64), each with its own
@@ -176,17 +179,54 @@ static int cached(int fd, size_t len) {
     return cs.nr_cache * 2 >= (len + 4095) / 4096;
 }
 
-static int aligned(const struct iovec *v) {
-    return ((uintptr_t)v->iov_base % ALIGN) == 0 && v->iov_len % ALIGN == 0 && v->iov_len > 0;
+/* Whether O_DIRECT can move `v` in place: whole 4 KiB blocks at an address aligned to `mem`, the
+ * file system's own direct-I/O memory alignment (file_dio_mem). */
+static int aligned(const struct iovec *v, unsigned mem) {
+    return ((uintptr_t)v->iov_base % mem) == 0 && v->iov_len % ALIGN == 0 && v->iov_len > 0;
+}
+
+/* statx(2)'s answer as the kernel lays it out (include/uapi/linux/stat.h), read by offset so the
+ * build needs no headers newer than the C library's. */
+typedef struct {
+    uint32_t mask, blksize;
+    uint64_t attributes;
+    uint32_t nlink, uid, gid;
+    uint16_t mode, spare0;
+    unsigned char skip[152 - 32];  /* ino ... mnt_id */
+    uint32_t dio_mem_align, dio_offset_align;
+    unsigned char rest[256 - 160];
+} kstatx_t;
+#define KSTATX_TYPE 0x1U
+#define KSTATX_DIOALIGN 0x2000U
+
+/* The file's mode, and in `*mem` the memory alignment its file system asks of O_DIRECT buffers
+ * (statx STATX_DIOALIGN, Linux 6.1+: 4 bytes on NVMe, 512 on virtio and SCSI disks). ALIGN where
+ * the kernel does not say, or says something this file's offsets could not meet: O_DIRECT then
+ * takes only page-aligned memory, as it always may. 0, or an errno. */
+static int file_dio_mem(int fd, mode_t *mode, unsigned *mem) {
+    kstatx_t sx;
+    *mem = ALIGN;
+    if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, KSTATX_TYPE | KSTATX_DIOALIGN, &sx) != 0) {
+        struct stat st;
+        if (errno != ENOSYS && errno != EPERM) return errno;
+        if (fstat(fd, &st) != 0) return errno;
+        *mode = st.st_mode;
+        return 0;
+    }
+    *mode = sx.mode;
+    if ((sx.mask & KSTATX_DIOALIGN) && sx.dio_mem_align && sx.dio_mem_align <= ALIGN &&
+        ALIGN % sx.dio_mem_align == 0 && sx.dio_offset_align && ALIGN % sx.dio_offset_align == 0)
+        *mem = sx.dio_mem_align;
+    return 0;
 }
 
 /* One O_DIRECT preadv of the chunk: the leading aligned payload pieces in place, the rest
  * (always the trailer) into `staging` (at least the rest rounded up to ALIGN). `*staged`: the
  * first piece that landed in staging; finish() copies those out. */
-static int read_direct(int fd, job_t *j, char *staging, int *staged) {
+static int read_direct(int fd, job_t *j, char *staging, int *staged, unsigned mem) {
     struct iovec iov[MAX_PIECES + 1];
     int k = 0;
-    while (k < j->npieces - 1 && aligned(&j->pieces[k])) {
+    while (k < j->npieces - 1 && aligned(&j->pieces[k], mem)) {
         iov[k] = j->pieces[k];
         k++;
     }
@@ -357,20 +397,19 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
         j->err = errno;
         return;
     }
-    struct stat st;
+    mode_t mode = 0;
+    unsigned mem;
     int staged = j->npieces;
-    if (fstat(fd, &st) != 0) {
-        j->err = errno;
-    } else if (!S_ISREG(st.st_mode)) {
-        j->err = ERR_NOT_REGULAR;
-    } else {
+    j->err = file_dio_mem(fd, &mode, &mem);
+    if (j->err == 0 && !S_ISREG(mode)) j->err = ERR_NOT_REGULAR;
+    if (j->err == 0) {
         size_t want = total_len(j->pieces, j->npieces);
         int warm = cached(fd, want);
         if (warm) {
             j->err = read_buffered(fd, j, crc);
         } else {
             if (direct && staging && fcntl(fd, F_SETFL, O_DIRECT) == 0) {
-                j->err = read_direct(fd, j, staging, &staged);
+                j->err = read_direct(fd, j, staging, &staged, mem);
             } else {  /* one request for the whole chunk: the kernel reads it ahead in one go */
                 ssize_t got = move_all(fd, j->pieces, j->npieces, 0, 0);
                 j->err = got < 0 ? errno : ((size_t)got < want ? ERR_SHORT : 0);
@@ -389,10 +428,10 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
 
 /* Whether the pieces before `cut` are aligned and end exactly at it: the leading whole blocks of
  * a chunk can then be written with O_DIRECT from the pieces themselves (in `iov`, `*n` of them). */
-static int head_in_place(job_t *j, size_t cut, struct iovec *iov, int *n) {
+static int head_in_place(job_t *j, size_t cut, struct iovec *iov, int *n, unsigned mem) {
     int k = 0;
     size_t covered = 0;
-    while (k < j->npieces && covered < cut && aligned(&j->pieces[k]) && covered + j->pieces[k].iov_len <= cut) {
+    while (k < j->npieces && covered < cut && aligned(&j->pieces[k], mem) && covered + j->pieces[k].iov_len <= cut) {
         iov[k] = j->pieces[k];
         covered += j->pieces[k].iov_len;
         k++;
@@ -403,12 +442,12 @@ static int head_in_place(job_t *j, size_t cut, struct iovec *iov, int *n) {
 
 /* The leading whole blocks of a chunk, written with O_DIRECT on `fd` (O_DIRECT is set for the
  * call and cleared after): from the pieces themselves when every piece before the cut is
- * aligned, else from `staging` (at least `cut` bytes, aligned), copied there now unless
- * `staged` (stage_sealed did). 0, or an errno. */
-static int write_head_direct(int fd, job_t *j, size_t cut, char *staging, int staged) {
+ * aligned (to `mem`), else from `staging` (at least `cut` bytes, aligned), copied there now
+ * unless `staged` (stage_sealed did). 0, or an errno. */
+static int write_head_direct(int fd, job_t *j, size_t cut, char *staging, int staged, unsigned mem) {
     struct iovec iov[MAX_PIECES];
     int n;
-    if (staged || !head_in_place(j, cut, iov, &n)) {
+    if (staged || !head_in_place(j, cut, iov, &n, mem)) {
         size_t pos = 0;
         for (int i = 0; !staged && i < j->npieces && pos < cut; i++) {
             size_t take = j->pieces[i].iov_len;
@@ -551,18 +590,10 @@ static void stage_sealed(job_t *j, size_t cut, char *staging, crc_fn_t crc) {
     if (pos < cut) memcpy(staging + pos, j->pieces[j->npieces - 1].iov_base, cut - pos);
 }
 
+/* `mem`: the store's direct-I/O memory alignment as this thread learnt it from the first file it
+ * made (file_dio_mem), 0 until then. */
 static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sync, int direct, char *staging,
-                      int dir_mode, int dir_chmod, crc_fn_t crc) {
-    size_t want = total_len(j->pieces, j->npieces);
-    size_t cut = direct && staging ? want / ALIGN * ALIGN : 0;
-    struct iovec head[MAX_PIECES];
-    int nhead, staged = 0;
-    if (j->seal && cut && !head_in_place(j, cut, head, &nhead)) {
-        stage_sealed(j, cut, staging, crc);
-        staged = 1;
-    } else if (j->seal) {
-        seal(j, crc);
-    }
+                      int dir_mode, int dir_chmod, crc_fn_t crc, unsigned *mem) {
     int dfd = open_beneath(root, j->path, O_PATH | O_DIRECTORY, 0);
     if (dfd < 0 && errno == ENOENT && dir_mode >= 0) {
         int err = make_dirs(root, j->path, dir_mode, dir_chmod, &dfd);
@@ -582,11 +613,25 @@ static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sy
         return;
     }
     int err = 0;
-    if (do_chmod && fchmod(fd, file_mode) != 0) err = errno;
+    size_t want = total_len(j->pieces, j->npieces);
+    size_t cut = direct && staging ? want / ALIGN * ALIGN : 0;
+    if (cut && !*mem) {
+        mode_t mode;
+        (void)file_dio_mem(fd, &mode, mem);  /* ALIGN when the kernel cannot say */
+    }
+    struct iovec head[MAX_PIECES];
+    int nhead, staged = 0;
+    if (j->seal && cut && !head_in_place(j, cut, head, &nhead, *mem)) {
+        stage_sealed(j, cut, staging, crc);
+        staged = 1;
+    } else if (j->seal) {
+        seal(j, crc);
+    }
+    if (!err && do_chmod && fchmod(fd, file_mode) != 0) err = errno;
     if (!err && cut) {
         if (fallocate(fd, 0, 0, (off_t)want) != 0 && errno != EOPNOTSUPP) err = errno;
         if (!err) {
-            err = write_head_direct(fd, j, cut, staging, staged);
+            err = write_head_direct(fd, j, cut, staging, staged, *mem);
             if (err == EINVAL) {  /* the file system refuses O_DIRECT here: all of it buffered */
                 err = 0;
                 cut = 0;
@@ -619,6 +664,7 @@ typedef struct {
 static void *run_batch(void *arg) {
     batch_t *b = arg;
     char *staging = NULL, *own = NULL;
+    unsigned mem = 0;
     if (b->direct) {
         size_t slot = (size_t)__atomic_fetch_add(&b->next_slot, 1, __ATOMIC_RELAXED);
         if (b->ext && (slot + 1) * b->staging_bytes <= b->ext_len) staging = b->ext + slot * b->staging_bytes;
@@ -628,7 +674,7 @@ static void *run_batch(void *arg) {
         Py_ssize_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
         if (i >= b->n) break;
         if (b->writes) write_one(b->root, &b->jobs[i], b->file_mode, b->do_chmod, b->do_sync, b->direct, staging,
-                                b->dir_mode, b->dir_chmod, b->crc);
+                                b->dir_mode, b->dir_chmod, b->crc, &mem);
         else read_one(b->root, &b->jobs[i], b->crc, b->direct, staging);
     }
     free(own);

@@ -14,7 +14,9 @@ With ``o_direct`` the engine writes every segment whose address, file offset and
 With ``direct_reads`` too, a chunk that is mostly not in the page cache (``cachestat``) is read
 with ``O_DIRECT`` in one ``preadv``: aligned host segments in place, everything after the first
 unaligned one (the trailer, device memory, torch's 64-byte-aligned CPU tensors) into the staging
-buffer, which is then copied out. A chunk at least half cached is read from the cache: on the
+buffer, which is then copied out. The native batch path (``gdskv.io.batch``) judges "aligned" by
+the file system's own direct-I/O memory alignment (``statx``'s ``STATX_DIOALIGN``): on NVMe
+torch's tensors are read and written in place; on virtio disks (512 bytes) they are staged. A chunk at least half cached is read from the cache: on the
 dev VM the kernel reclaimed single pages of warm chunks (23% of 2048 chunks had lost their last,
 partial page, the trailer's, with memory to spare), and a rule of "wholly cached" then sent each
 of them to the disk whole for one 4 KiB page. Why direct reads at all: on the disks
