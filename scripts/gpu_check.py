@@ -18,6 +18,11 @@ serve them, and the page cache would hide the disk). The checks, one row each:
 - ``batched transfers``: 64 CUDA pages saved as one ``save_pages`` batch behind one event
   recorded after a producer kernel, then loaded back verified (the native path, the pages staged
   through one pinned buffer where there is no GDS);
+- ``native device copies``: 64 pages of two regions with distinct bytes, in shuffled slots of a
+  CUDA pool, saved and loaded on the POSIX engine (what ``auto`` takes without GDS: pages staged
+  through pinned spans) with each span's copies queued in one native ``cudaMemcpyAsync`` call
+  (``gdskv.hosttier._queue_all``), then with one torch copy per region; both compared with the
+  source, GB/s of both (page cache warm); the native call must have run, and only where it is on;
 - ``save ready event`` / ``save race control``: a producer kernel on a side stream
   (``torch.cuda._sleep`` then a fill of the page); saved with the event recorded after it, the
   chunk must hold the filled bytes; saved without it (negative control) it must not, else the
@@ -291,8 +296,10 @@ class Checks:
                           "this kvikio has no SummaryMonitor: which backend moved the bytes is unknown")
         return gds_result(available, self.backend_bytes["GDS"], self.backend_bytes["POSIX"], self.args.require_gds)
 
-    def _store(self, name: str, pool_shapes: Sequence[tuple[int, ...]], dtype=torch.bfloat16, device: Optional[str] = None):
-        """A namespace over a pool of one or more regions on ``device`` and its PageTransfer."""
+    def _store(self, name: str, pool_shapes: Sequence[tuple[int, ...]], dtype=torch.bfloat16, device: Optional[str] = None,
+               engine=None):
+        """A namespace over a pool of one or more regions on ``device`` and its PageTransfer (on
+        ``engine``, the kvikio engine by default)."""
         from gdskv.layout import GroupPools, KvCacheBufferRef, layout_from_group_tensors
         from gdskv.store import NamespaceSpec, PageStore
         from gdskv.transfer import PageTransfer
@@ -302,7 +309,7 @@ class Checks:
         refs = [[KvCacheBufferRef(0, kind)] for kind in ("key", "value", "extra")[:len(regions)]]
         layout = layout_from_group_tensors([GroupPools(None, (0,), regions, refs)], 16, dtype)
         ns = PageStore.open(self.workdir / f"store-{name}").namespace(NamespaceSpec.from_layout(layout, model=f"gpu-check-{name}"))
-        return layout, regions, PageTransfer(ns, self.engine, threads=8)
+        return layout, regions, PageTransfer(ns, engine or self.engine, threads=8)
 
     def concurrent_saves(self) -> Result:
         from gdskv.transfer import LoadStatus, SaveStatus, page_segments
@@ -376,6 +383,62 @@ class Checks:
                           "(page cache warm, first batch), verified")
         finally:
             transfer.close()
+
+    def native_copies(self) -> Result:
+        """A staged step's device copies in one native call per span (``hosttier._queue_all``)
+        against a torch copy per region, on the same pages: what is loaded back is what was saved,
+        page by page (distinct bytes, shuffled slots: a page copied to or from the wrong place
+        shows), and the native call ran only where it is on."""
+        import gdskv.hosttier as hosttier
+        from gdskv.config import GdsKvConfig
+        from gdskv.io import batch as batchio
+        from gdskv.io import make_engine
+        from gdskv.io.capabilities import cuda_memcpy_async
+        from gdskv.transfer import LoadStatus, SaveStatus, page_segments
+
+        if not cuda_memcpy_async():
+            return Result("native device copies", FAIL, "cudaMemcpyAsync not found in torch's CUDA runtime: a copy per region")
+        engine = make_engine(GdsKvConfig(engine="posix"))
+        layout, regions, transfer = self._store("native-copies", [(128, 65536), (128, 65536)], engine=engine)
+        real, calls = batchio.copy_device, []
+        batchio.copy_device = lambda *a: (calls.append(len(a[0])), real(*a))[1]
+        try:
+            group = layout.group(0)
+            slots = torch.randperm(128)[:64].tolist()
+            index = torch.tensor(slots, device=regions[0].device)
+            nbytes = group.bytes_per_page * len(slots)
+            rows = []
+            for native in (True, False):
+                hosttier.NATIVE_DEVICE_COPIES = native
+                calls.clear()
+                keys = [os.urandom(32) for _ in slots]
+                original = [r.clone() for r in regions]
+                self.sync()
+                t0 = time.perf_counter()
+                saved = [f.result() for f in transfer.save_pages(0, [(k, None, page_segments(group, s)) for k, s in zip(keys, slots)])]
+                t_save = time.perf_counter() - t0
+                assert all(s is SaveStatus.PUBLISHED for s in saved), saved
+                for r in regions:
+                    r.zero_()
+                self.sync()
+                t0 = time.perf_counter()
+                loaded = [f.result() for f in transfer.load_pages(0, [(k, page_segments(group, s)) for k, s in zip(keys, slots)])]
+                t_load = time.perf_counter() - t0
+                assert all(s is LoadStatus.LOADED for s in loaded), loaded
+                assert all(torch.equal(r[index].view(torch.int16), o[index].view(torch.int16)) for r, o in zip(regions, original)), \
+                    f"native={native}: loaded pages differ from the saved ones"
+                want = 2 * 2 * len(slots) if native else 0  # two regions, saved and loaded
+                assert sum(calls) == want, f"native={native}: {sum(calls)} copies in native calls, expected {want}"
+                rows.append(f"{'native' if native else 'per region'}: save {nbytes / t_save / 1e9:.2f}, load {nbytes / t_load / 1e9:.2f}")
+                for r, o in zip(regions, original):
+                    r.copy_(o)
+            return Result("native device copies", PASS, f"64 pages of {group.bytes_per_page // KiB} KiB in 2 regions, shuffled "
+                          f"slots, GB/s (page cache warm) {'; '.join(rows)}; equal")
+        finally:
+            batchio.copy_device = real
+            hosttier.NATIVE_DEVICE_COPIES = True
+            transfer.close()
+            engine.close()
 
     def save_race(self) -> list[Result]:
         from gdskv.transfer import LoadStatus, SaveStatus, page_segments
@@ -627,6 +690,7 @@ class Checks:
         self.run("concurrent saves", self.concurrent_saves)
         if self.cuda:
             self.run("batched transfers", self.batched_transfers)
+            self.run("native device copies", self.native_copies)
             self.run("save race", self.save_race)
             self.run("load race", self.load_race)
         else:

@@ -584,3 +584,63 @@ def test_an_unreaped_asynchronous_hit_resolves_for_a_caller_blocked_on_it(tmp_pa
     assert [f.result(timeout=30) for f in futures] == [LoadStatus.LOADED] * 2  # nobody reaps
     assert all(same(outs[i], page(i)) for i in range(2)) and svc.in_flight == 0
     svc.close()
+
+
+def test_device_copies_pair_each_segment_with_its_place_in_the_flat_buffer_both_ways():
+    """``device_copies``: what ``_queue_all`` hands to one native ``cudaMemcpyAsync`` call per
+    device (run on a GPU by ``scripts/gpu_check.py``): a page's segments end to end in its flat
+    buffer, destination first, grouped by device; sizes that do not add up or a strided segment
+    are refused before anything is copied."""
+    from gdskv.hosttier import device_copies
+
+    buf_a, buf_b = torch.zeros(300, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+    a = [torch.zeros(100, dtype=torch.uint8), torch.zeros(50, dtype=torch.float32)]
+    b = [torch.zeros(32, dtype=torch.bfloat16)]
+    into = device_copies([(buf_a, a), (buf_b, b)], True)
+    assert into == {torch.device("cpu"): [(a[0].data_ptr(), buf_a.data_ptr(), 100),
+                                          (a[1].data_ptr(), buf_a.data_ptr() + 100, 200),
+                                          (b[0].data_ptr(), buf_b.data_ptr(), 64)]}
+    out = device_copies([(buf_a, a)], False)
+    assert out[torch.device("cpu")] == [(buf_a.data_ptr(), a[0].data_ptr(), 100), (buf_a.data_ptr() + 100, a[1].data_ptr(), 200)]
+    with pytest.raises(ValueError, match="299"):
+        device_copies([(buf_a, [a[0], torch.zeros(199, dtype=torch.uint8)])], True)
+    with pytest.raises(ValueError, match="contiguous"):
+        device_copies([(buf_b, [torch.zeros(8, 8, dtype=torch.uint8).t()])], True)
+
+
+def test_copy_device_queues_every_copy_in_order_on_the_stream_and_stops_at_the_first_error():
+    """``batchio.copy_device`` with a stand-in for ``cudaMemcpyAsync`` (same signature; copies
+    and records what it was asked): every copy in order, whole, ``cudaMemcpyDefault`` and the
+    caller's stream; the first error is returned and nothing after it is queued."""
+    import ctypes
+
+    from gdskv.io import batch as batchio
+
+    if not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    asked: list[tuple[int, int, int, int, int]] = []
+    fail_at = [-1]
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+    def memcpy_async(dst, src, n, kind, stream):
+        asked.append((dst, src, n, kind, stream))
+        if len(asked) - 1 == fail_at[0]:
+            return 700
+        ctypes.memmove(dst, src, n)
+        return 0
+
+    fn = ctypes.cast(memcpy_async, ctypes.c_void_p).value
+    src = torch.arange(3 << 20, dtype=torch.int32).view(torch.uint8)[:(5 << 20) + 3]
+    dst = [torch.zeros(5 << 20, dtype=torch.uint8), torch.zeros(3, dtype=torch.uint8), torch.zeros(7, dtype=torch.uint8)]
+    copies = [(dst[0].data_ptr(), src.data_ptr(), 5 << 20), (dst[1].data_ptr(), src.data_ptr() + (5 << 20), 3),
+              (dst[2].data_ptr(), src.data_ptr(), 7)]
+    assert batchio.copy_device(copies, fn, 0xABC) == 0
+    assert [(d, s, n) for d, s, n, _, _ in asked] == copies  # one call per copy, never cut
+    assert {(kind, stream) for *_, kind, stream in asked} == {(4, 0xABC)}
+    assert torch.equal(torch.cat(dst[:2]), src) and torch.equal(dst[2], src[:7])
+    asked.clear()
+    fail_at[0] = 1
+    for d in dst:
+        d.zero_()
+    assert batchio.copy_device(copies, fn, 0xABC) == 700
+    assert len(asked) == 2 and bool((dst[2] == 0).all())

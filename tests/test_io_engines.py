@@ -694,3 +694,19 @@ def test_o_direct_writes_open_a_direct_descriptor_only_for_memory_that_can_use_i
         assert (tmp_path / name).read_bytes() == bytes(plain.numpy()) + trailer
     assert opened == [str(tmp_path / "aligned")]
     engine.close()
+
+
+def test_the_cuda_runtime_is_found_among_the_mapped_files_by_its_name_only():
+    """``runtime_library``: the ``libcudart.so*`` that torch mapped (whose ``cudaMemcpyAsync``
+    ``gdskv.hosttier`` calls), never a library merely named like it or a line without a path."""
+    from gdskv.io.capabilities import cuda_memcpy_async, runtime_library
+
+    maps = ["7f00-7f01 r--p 00000000 fd:01 12 /usr/lib/libcudart_static_helper.so\n",
+            "7f01-7f02 rw-p 00000000 00:00 0 \n",
+            "7f02-7f03 r-xp 00000000 fd:01 13 /opt/venv/lib/nvidia/cu13/lib/libcudart.so.13\n",
+            "7f03-7f04 r-xp 00000000 fd:01 14 /opt/other/libcudart.so.12\n"]
+    assert runtime_library(maps) == "/opt/venv/lib/nvidia/cu13/lib/libcudart.so.13"
+    assert runtime_library(maps[:2]) is None
+    assert runtime_library(["7f00-7f01 r--p 00000000 00:00 0                  [heap]\n"]) is None
+    if not torch.cuda.is_available():
+        assert cuda_memcpy_async() == 0

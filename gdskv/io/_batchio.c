@@ -52,6 +52,12 @@
  *   PATHS_PER_THREAD keys).
  * copy_many(copies, threads): host-memory copies [(dst, src, length), ...] in 1 MiB pieces on
  *   that many threads, the GIL released (host-tier hits into plain host memory).
+ * copy_device(copies, memcpy_async, stream) -> int: each copy [(dst, src, length), ...] queued in
+ *   order on a CUDA stream by the CUDA runtime's cudaMemcpyAsync (its address: memcpy_async, found
+ *   by gdskv.io.capabilities; cudaMemcpyDefault, so host to device and back alike), the GIL
+ *   released for all of them: 0, or the first error (the copies after it not queued). A staged
+ *   slice's copies cost one call, where one torch copy each cost two hand-offs of the GIL between
+ *   the transfer threads (gdskv.hosttier).
  * Completions(): reads and writes that finish without anyone waiting (saves, and asynchronous
  *   loads, which no forward pass waits for). q.read_later(root_fd, jobs, crc_fn, direct, threads, staging, staging_len,
  *   nice, tag) starts read_chunks' work on threads of its own (their nice value raised by
@@ -1068,9 +1074,9 @@ static void *run_copies(void *arg) {
     return NULL;
 }
 
-/* Parses [(dst, src, length), ...] into `c`'s pieces (c->items: the caller frees them). 0, or -1
- * with the exception set. */
-static int parse_copies(PyObject *list, copies_t *c) {
+/* Parses [(dst, src, length), ...] into `c`'s pieces of at most `piece` bytes (c->items: the
+ * caller frees them). 0, or -1 with the exception set. */
+static int parse_copies(PyObject *list, copies_t *c, size_t piece) {
     PyObject *fast = PySequence_Fast(list, "copies must be a sequence");
     if (!fast) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), pieces = 0;
@@ -1086,7 +1092,7 @@ static int parse_copies(PyObject *list, copies_t *c) {
             Py_DECREF(fast);
             return -1;
         }
-        pieces += (Py_ssize_t)((spec[i][2] + COPY_PIECE - 1) / COPY_PIECE);
+        pieces += (Py_ssize_t)((spec[i][2] + piece - 1) / piece);
     }
     Py_DECREF(fast);
     *c = (copies_t){calloc(pieces ? pieces : 1, sizeof(copy_t)), 0, 0};
@@ -1096,8 +1102,8 @@ static int parse_copies(PyObject *list, copies_t *c) {
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        for (size_t at = 0; at < spec[i][2]; at += COPY_PIECE) {
-            size_t len = spec[i][2] - at < COPY_PIECE ? spec[i][2] - at : COPY_PIECE;
+        for (size_t at = 0; at < spec[i][2]; at += piece) {
+            size_t len = spec[i][2] - at < piece ? spec[i][2] - at : piece;
             c->items[c->n++] = (copy_t){(char *)(uintptr_t)spec[i][0] + at, (const char *)(uintptr_t)spec[i][1] + at, len};
         }
     }
@@ -1110,12 +1116,37 @@ static PyObject *copy_many(PyObject *self, PyObject *args) {
     int threads;
     if (!PyArg_ParseTuple(args, "Oi", &list, &threads)) return NULL;
     copies_t c;
-    if (parse_copies(list, &c) < 0) return NULL;
+    if (parse_copies(list, &c, COPY_PIECE) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     run_on(run_copies, &c, threads_for(threads, c.n));
     Py_END_ALLOW_THREADS
     free(c.items);
     Py_RETURN_NONE;
+}
+
+/* cudaMemcpyAsync's signature (cudaMemcpyDefault: the direction follows from the addresses). */
+typedef int (*memcpy_async_fn)(void *, const void *, size_t, int, void *);
+#define CUDA_MEMCPY_DEFAULT 4
+#define WHOLE ((size_t)1 << 40)  /* a copy is never cut */
+
+static PyObject *copy_device(PyObject *self, PyObject *args) {
+    PyObject *list;
+    unsigned long long fn, stream;
+    if (!PyArg_ParseTuple(args, "OKK", &list, &fn, &stream)) return NULL;
+    if (!fn) {
+        PyErr_SetString(PyExc_ValueError, "copy_device needs cudaMemcpyAsync");
+        return NULL;
+    }
+    copies_t c;
+    if (parse_copies(list, &c, WHOLE) < 0) return NULL;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < c.n && !err; i++)
+        err = ((memcpy_async_fn)(uintptr_t)fn)(c.items[i].dst, c.items[i].src, c.items[i].n, CUDA_MEMCPY_DEFAULT,
+                                               (void *)(uintptr_t)stream);
+    Py_END_ALLOW_THREADS
+    free(c.items);
+    return PyLong_FromLong(err);
 }
 
 static PyObject *staging_need(PyObject *self, PyObject *args) {
@@ -1274,7 +1305,7 @@ static PyObject *completions_copy_later(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OiiO", &list, &threads, &nice, &tag)) return NULL;
     later_t *l = calloc(1, sizeof *l);
     if (!l) return PyErr_NoMemory();
-    if (parse_copies(list, &l->copies) < 0) {
+    if (parse_copies(list, &l->copies, COPY_PIECE) < 0) {
         free(l);
         return NULL;
     }
@@ -1449,6 +1480,7 @@ static PyMethodDef methods[] = {
     {"stat_chunks", stat_chunks, METH_VARARGS, "Whether each store key's chunk is a regular file of the size."},
     {"lease_chunks", lease_chunks, METH_VARARGS, "Set times of each store key's chunk (see the module source)."},
     {"copy_many", copy_many, METH_VARARGS, "Host-memory copies (dst, src, length) on this many threads."},
+    {"copy_device", copy_device, METH_VARARGS, "Host/device copies (dst, src, length) queued on a CUDA stream."},
     {"staging_need", staging_need, METH_VARARGS, "Staging bytes a call of chunks of these sizes needs on this many threads."},
     {"read_chunks", read_chunks, METH_VARARGS, "Read and checksum a batch of chunk files (see the module source)."},
     {"write_chunks", write_chunks, METH_VARARGS, "Write and publish a batch of chunk files (see the module source)."},

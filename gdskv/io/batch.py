@@ -176,6 +176,15 @@ def copy_many(copies: Sequence[tuple[int, int, int]], threads: int) -> None:
     _batchio.copy_many(list(copies), threads)
 
 
+def copy_device(copies: Sequence[tuple[int, int, int]], memcpy_async: int, stream: int) -> int:
+    """Copies ``(dst, src, length)`` between host and device memory (addresses of memory the
+    caller keeps alive until the stream has run them) queued in order on the CUDA stream
+    ``stream`` by the runtime's ``cudaMemcpyAsync`` (its address: ``memcpy_async``), in one call
+    without the GIL: 0, or the first error code (the copies after it not queued). Called by
+    ``gdskv.hosttier._queue_all`` with the current device set to the stream's."""
+    return _batchio.copy_device(list(copies), memcpy_async, stream)
+
+
 def stat_chunks(root_fd: int, base: str, store_keys: bytes, size: int) -> Optional[list[bool]]:
     """Whether the chunk of each 32-byte store key in ``store_keys`` (concatenated), beneath the
     array directory ``base`` (relative to the store root), is a regular file of ``size`` bytes,

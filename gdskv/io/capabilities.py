@@ -2,15 +2,16 @@
 GPUDirect Storage behind it.
 
 Called by ``gdskv.io.make_engine`` when the config says ``engine = "auto"``, by ``gdskv demo`` /
-``gdskv info`` to report the platform, and by the test suite to decide whether the CUDA driver test
-double may be loaded. The probes are cached for the life of the process and never raise.
+``gdskv info`` to report the platform, by ``gdskv.hosttier`` for the CUDA runtime's copy entry
+point, and by the test suite to decide whether the CUDA driver test double may be loaded. The
+probes are cached for the life of the process and never raise.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import importlib
-from typing import Any
+from typing import Any, Iterable
 
 _CUDA_SUCCESS = 0
 
@@ -64,3 +65,35 @@ def gds_usable(kvikio: Any) -> bool:
         return bool(kvikio.cufile_driver.get("is_gds_available"))
     except Exception:  # no cuFile library, no driver: compat mode
         return False
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_memcpy_async() -> int:
+    """The address of ``cudaMemcpyAsync`` in the CUDA runtime library torch has loaded (the one
+    whose streams and devices it uses), or 0: no CUDA device, or a runtime linked into torch
+    statically (then there is no library to name). Initialises CUDA in this process; called once
+    device pages are being copied, so CUDA is in use already."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return 0
+        torch.cuda.init()
+        with open("/proc/self/maps") as maps:
+            path = runtime_library(maps)
+        if path is None:
+            return 0
+        return ctypes.cast(ctypes.CDLL(path).cudaMemcpyAsync, ctypes.c_void_p).value or 0
+    except Exception:  # no /proc, no symbol: the per-copy torch path
+        return 0
+
+
+def runtime_library(maps: Iterable[str]) -> "str | None":
+    """The path of the CUDA runtime (``libcudart.so*``) among a ``/proc/<pid>/maps`` listing's
+    mapped files, or None."""
+    for line in maps:
+        parts = line.split(maxsplit=5)
+        path = parts[5].strip() if len(parts) == 6 else ""
+        if path.startswith("/") and path.rsplit("/", 1)[-1].startswith("libcudart.so"):
+            return path
+    return None
