@@ -39,9 +39,9 @@
  *   own, so no Python reads the page. A missing dir is made first, with its parents (dir_mode,
  *   or -1: ENOENT instead), so the first saves into a new store take this path too.
  *   direct: the file's whole 4 KiB blocks go out with O_DIRECT (from the pieces where they are
- *   aligned, as reads judge it, else from an aligned staging copy) and, once that write returned, the rest (the
- *   payload's last partial block and the trailer) through the page cache; the file is
- *   preallocated first so both land in one extent.
+ *   aligned, as reads judge it, else from an aligned staging copy) and, once that write
+ *   returned, the rest (the payload's last partial block and the trailer) through the page
+ *   cache; the file is preallocated first so both land in one extent.
  * threads: jobs of one call run on that many threads of its own (at most 64), each with its own
  *   staging buffer, so one call keeps several requests in flight without Python.
  * stat_chunks(root_fd, base, skeys, hi_bits, lo_bits, size) / lease_chunks(..., atime_ns, mtime_ns,
@@ -206,7 +206,7 @@ typedef struct {
 #define KSTATX_DIOALIGN 0x2000U
 
 /* The file's mode, and in `*mem` the memory alignment its file system asks of O_DIRECT buffers
- * (statx STATX_DIOALIGN, Linux 6.1+: 4 bytes on NVMe, 512 on virtio and SCSI disks). ALIGN where
+ * (statx STATX_DIOALIGN, Linux 6.1+: 4 bytes on NVMe, 512 on the virtio disks measured). ALIGN where
  * the kernel does not say, or says something this file's offsets could not meet: O_DIRECT then
  * takes only page-aligned memory, as it always may. 0, or an errno. */
 static int file_dio_mem(int fd, mode_t *mode, unsigned *mem) {
@@ -633,7 +633,7 @@ static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sy
     } else if (j->seal) {
         seal(j, crc);
     }
-    if (!err && do_chmod && fchmod(fd, file_mode) != 0) err = errno;
+    if (do_chmod && fchmod(fd, file_mode) != 0) err = errno;
     if (!err && cut) {
         if (fallocate(fd, 0, 0, (off_t)want) != 0 && errno != EOPNOTSUPP) err = errno;
         if (!err) {
