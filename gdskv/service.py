@@ -433,20 +433,27 @@ class KvService:
         transfer = self.transfers.get(rank)
         if transfer is None:
             return [None] * len(items)
-        items = [(key, parent, list(segments)) for key, parent, segments in items]
+        pages = [(key, parent, list(segments)) for key, parent, segments in items]
         t0 = time.perf_counter()
         nbytes = self.bytes_per_page(group)
+        slots: list[Optional[Reserved]] = [None] * len(pages)
+        if self.host is not None:
+            slots = self._reserve_many(rank, group, [key for key, _, _ in pages],
+                                       [payload_nbytes(segments) for _, _, segments in pages])
+        entries = [(*page, slot) for page, slot in zip(pages, slots)]
         with self._lock:
-            self._inflight += len(items)
-            self._add({"saves_posted": len(items)})
+            self._inflight += len(pages)
+            self._add({"saves_posted": len(pages)})
 
         def finished(done: list[int], results: Optional[list[Any]], skipped: list[int]) -> None:
-            self._saves_finished(rank, group, [items[k] for k in done], results, len(skipped), nbytes, t0)
+            self._saves_finished(rank, group, [entries[k] for k in done], results, [entries[k] for k in skipped],
+                                 nbytes, t0)
 
-        futures = transfer.save_pages(group, items, ready=ready, on_done=finished)
+        futures = transfer.save_pages(group, [(key, parent, segments, None if slot is None else slot.buf)
+                                              for key, parent, segments, slot in entries], ready=ready, on_done=finished)
         if self.remote is None:
             return list(futures)
-        out = [self.remote.after_save(transfer.ns, group, key, fut) for (key, _, _), fut in zip(items, futures)]
+        out = [self.remote.after_save(transfer.ns, group, key, fut) for (key, _, _), fut in zip(pages, futures)]
         for fut in out:  # an upload's counters (on the namespace) are written by the next flush
             fut.add_done_callback(self._changed)
         return out
@@ -580,10 +587,10 @@ class KvService:
         self._observe("load", rank, k, t0)
 
     def _reserve_many(self, rank: int, group: int, keys: list[bytes], sizes: list[Optional[int]]) -> list[Optional[Reserved]]:
-        """Host-tier buffers for a step's pages about to be read from the disk (the transfer
-        copies each payload there as it copies it into the page: ``PageTransfer.load_pages``);
-        a None where the tier holds the page already, it does not fit, or its segments cannot be
-        copied in place (size None)."""
+        """Host-tier buffers for a step's pages about to be read from the disk or saved (the
+        transfer copies each payload there in the pass that copies it into the page, or seals it:
+        ``PageTransfer.load_pages`` / ``save_pages``); a None where the tier holds the page
+        already, it does not fit, or its segments cannot be copied in place (size None)."""
         try:
             return self.host.reserve_many([(rank, group, key) for key in keys], sizes)
         except Exception as e:  # never into the serving loop: the pages are only not kept
@@ -615,21 +622,31 @@ class KvService:
         self._count_puts(rank, puts, {"loads_loaded": loaded, "bytes_loaded": loaded * nbytes,
                                       "loads_failed": finished - loaded}, finished)
 
-    def _saves_finished(self, rank: int, group: int, done: list[tuple[bytes, Optional[bytes], list[Any]]],
-                        results: Optional[list[Any]], skipped: int, nbytes: int, t0: float) -> None:
-        """A slice of saves finished (as ``_loads_finished``): a PUBLISHED page is copied into
-        the host tier (write-through), and the slice is counted at once."""
+    def _saves_finished(self, rank: int, group: int,
+                        done: list[tuple[bytes, Optional[bytes], list[Any], Optional[Reserved]]],
+                        results: Optional[list[Any]],
+                        skipped: list[tuple[bytes, Optional[bytes], list[Any], Optional[Reserved]]],
+                        nbytes: int, t0: float) -> None:
+        """A slice of saves finished (as ``_loads_finished``): a PUBLISHED page's reserved
+        host-tier buffer, which the transfer filled with the payload it wrote, becomes its entry
+        (write-through; a page without one is copied in), any other's is given back; then the
+        slice is counted at once."""
         published = existing = 0
         puts: list[tuple[Put, int]] = []
-        for k, (key, _, segments) in enumerate(done):
+        commits: list[Reserved] = []
+        aborts = [slot for *_, slot in skipped if slot is not None]
+        for k, (key, _, segments, slot) in enumerate(done):
             status = None if results is None else results[k]
-            if status is SaveStatus.PUBLISHED:
-                published += 1
-                if self.host is not None:
-                    puts.append(self._fill(key=(rank, group, key), segments=segments))
-            elif status is SaveStatus.EXISTS:
-                existing += 1
-        finished = len(done) + skipped
+            ok = status is SaveStatus.PUBLISHED
+            published += ok
+            existing += status is SaveStatus.EXISTS
+            if slot is not None:
+                (commits if ok else aborts).append(slot)
+            elif ok and self.host is not None:
+                puts.append(self._fill(key=(rank, group, key), segments=segments))
+        if commits or aborts:
+            puts += zip(self.host.settle_many(commits, aborts), (slot.buf.numel() for slot in commits))
+        finished = len(done) + len(skipped)
         self._observe("save", rank, finished, t0)
         self._count_puts(rank, puts, {"saves_published": published, "bytes_saved": published * nbytes,
                                       "saves_existing": existing, "saves_dropped": finished - published - existing},

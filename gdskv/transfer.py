@@ -129,22 +129,30 @@ class PageTransfer:
         """
         return self.save_pages(group, [(key, parent, segments)], ready)[0]
 
-    def save_pages(self, group: int, items: Sequence[tuple[bytes, Optional[bytes], Sequence[torch.Tensor]]],
-                   ready: Optional[Any] = None, on_done: Optional[DoneFn] = None
-                   ) -> list["Future[SaveStatus]"]:
+    def save_pages(self, group: int, items: Sequence[tuple], ready: Optional[Any] = None,
+                   on_done: Optional[DoneFn] = None) -> list["Future[SaveStatus]"]:
         """``save_page`` for a step's pages at once (``(key, parent, segments)`` each, one
         ``ready`` for all): one future per page, in order, with at most ``depth`` pages in flight
         (see ``_batch``, and there for ``on_done``), on the background threads; without a
         ``ready`` on the native path, started on native threads and finished by ``reap`` (see
-        ``_later``), which seal the pages too."""
-        jobs = [(key, parent, list(segs)) for key, parent, segs in items]
+        ``_later``), which seal the pages too. An item ``(key, parent, segments, via)`` names a
+        flat ``uint8`` host buffer of the page's size (the host tier's, ``KvService.save_many``)
+        that holds the payload too once the page is PUBLISHED: the native path copies it there
+        in the pass that seals the page (one read of the page for both)."""
+        jobs = [(item[0], item[1], list(item[2]), item[3] if len(item) > 3 else None) for item in items]
         if ready is None and jobs and self._later_ready() and not self._any_staged(jobs, 2):
             return self._later(group, jobs, on_done, save=True)
         return self._batch(self._save, self._save_slice, group, jobs, ready, on_done, self._background)
 
-    def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor], ready: Optional[Any] = None) -> SaveStatus:
-        if ready is not None:
-            ready.synchronize()
+    def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor],
+              via: Optional[torch.Tensor] = None) -> SaveStatus:
+        """One page on the per-page path; a PUBLISHED page's payload is copied into ``via`` too."""
+        status = self._save_page(group, key, parent, segments)
+        if status is SaveStatus.PUBLISHED and via is not None:
+            gather(segments, via)
+        return status
+
+    def _save_page(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor]) -> SaveStatus:
         ns = self.ns
         path = ns.chunk_path(group, key)
         nbytes = sum(s.numel() for s in segments)
@@ -231,15 +239,13 @@ class PageTransfer:
                 if attempt:
                     raise
 
-    def _save_slice(self, group: int, jobs: list[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
-                    threads: int = 1) -> list[SaveStatus]:
+    def _save_slice(self, group: int, jobs: list[tuple], threads: int = 1) -> list[SaveStatus]:
         """``_save`` for a slice of pages through the native batch path (``_save_native``), its
         pages to stage through ``SliceStaging`` first (``_through_staging``)."""
         staged = self._through_staging(group, jobs, threads, save=True)
         return staged if staged is not None else self._save_native(group, jobs, threads)
 
-    def _save_native(self, group: int, jobs: list[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
-                     threads: int = 1) -> list[SaveStatus]:
+    def _save_native(self, group: int, jobs: list[tuple], threads: int = 1) -> list[SaveStatus]:
         """``_save`` for a slice of pages in host memory: checks and admission in
         Python, then one call seals, writes and publishes every chunk with the GIL released, on
         ``threads`` native threads. A page the batch path cannot take, or that fails in it,
@@ -256,23 +262,24 @@ class PageTransfer:
         self._maybe_flush()
         return out  # type: ignore[return-value]
 
-    def _prepare_saves(self, group: int, jobs: Sequence[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
-                       out: list[Optional[SaveStatus]]) -> tuple[list[int], list[tuple], list[int], list[bytearray]]:
-        """Sort a slice of saves: ``out[i]`` set for pages already stored (EXISTS) or refused by
-        the budget (DROPPED); the native write jobs of the rest, their trailers packed with a zero
-        payload checksum for the native side to seal (``gdskv.io.batch.write_chunks``), or sealed
-        here where an auth key asks for a MAC; the indices of the native jobs and of the pages the
-        batch path cannot take (for ``_save``); the trailers the jobs' last pieces point into,
-        which must outlive the writes."""
+    def _prepare_saves(self, group: int, jobs: Sequence[tuple], out: list[Optional[SaveStatus]]
+                       ) -> tuple[list[int], list[tuple], list[int], list[bytearray]]:
+        """Sort a slice of saves (``(key, parent, segments, via)`` each): ``out[i]`` set for
+        pages already stored (EXISTS) or refused by the budget (DROPPED); the native write jobs of
+        the rest, their trailers packed with a zero payload checksum for the native side to seal
+        (``gdskv.io.batch.write_chunks``), or sealed here where an auth key asks for a MAC, and
+        their ``via`` buffers as the payload's copy-out; the indices of the native jobs and of the
+        pages the batch path cannot take (for ``_save``); the trailers the jobs' last pieces point
+        into, which must outlive the writes."""
         ns = self.ns
         expected = ns.spec.group(group).bytes_per_page
-        present = ns.contains_many(group, [key for key, _, _ in jobs])
+        present = ns.contains_many(group, [job[0] for job in jobs])
         budget = ns.store.budget
         native: list[int] = []
         work: list[tuple] = []
         rest: list[int] = []
         trailers: list[bytearray] = []
-        for i, (key, parent, segments) in enumerate(jobs):
+        for i, (key, parent, segments, via) in enumerate(jobs):
             if sum(t.numel() * t.element_size() for t in segments) != expected:
                 rest.append(i)  # ``_save`` raises the size error per page
                 continue
@@ -297,13 +304,13 @@ class PageTransfer:
             trailers.append(trailer)
             rel_dir, name = ns.chunk_location(group, key)
             tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.{next(self._tmp_seq):x}"
-            job = (rel_dir, tmp, name, batchio.pieces_of(segments, trailer))
-            work.append(job if self._auth_key is not None else (*job, True))
+            outs = None if via is None else [(via.data_ptr(), via.numel())]
+            work.append((rel_dir, tmp, name, batchio.pieces_of(segments, trailer), self._auth_key is None, outs))
             native.append(i)
         return native, work, rest, trailers
 
-    def _settle_saves(self, group: int, jobs: Sequence[tuple[bytes, Optional[bytes], list[torch.Tensor]]],
-                      native: list[int], errs: Sequence[int], out: list[Optional[SaveStatus]]) -> list[int]:
+    def _settle_saves(self, group: int, jobs: Sequence[tuple], native: list[int], errs: Sequence[int],
+                      out: list[Optional[SaveStatus]]) -> list[int]:
         """After the native writes of ``_prepare_saves``: ``out[i]`` PUBLISHED for each page whose
         chunk is in place, counted and told to the budget; the indices of those that failed there
         (a full disk, something in the way: for ``_save_failed``)."""
@@ -316,7 +323,7 @@ class PageTransfer:
             if err:
                 failed.append(i)
                 continue
-            key, parent, _ = jobs[i]
+            key, parent = jobs[i][:2]
             published += 1
             out[i] = SaveStatus.PUBLISHED
             if budget is not None:
@@ -326,11 +333,16 @@ class PageTransfer:
             ns.counters.add("bytes_written", published * expected)
         return failed
 
-    def _save_failed(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor]) -> SaveStatus:
+    def _save_failed(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor],
+                     via: Optional[torch.Tensor] = None) -> SaveStatus:
         """A page the budget admitted whose native write failed, on the per-page path, which
-        classifies the failure (and retries what was in the way)."""
-        return self._save_admitted(group, key, parent, segments, self.ns.chunk_path(group, key),
-                                   self.ns.spec.group(group).bytes_per_page)
+        classifies the failure (and retries what was in the way); copied into ``via`` once
+        PUBLISHED, as ``_save`` does."""
+        status = self._save_admitted(group, key, parent, segments, self.ns.chunk_path(group, key),
+                                     self.ns.spec.group(group).bytes_per_page)
+        if status is SaveStatus.PUBLISHED and via is not None:
+            gather(segments, via)
+        return status
 
     def _staged(self, segments: list[torch.Tensor]) -> Optional[list[torch.Tensor]]:
         """Host views, one per segment, of this thread's staging buffer when the page is to be

@@ -500,3 +500,31 @@ def _drop(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def test_a_saved_pages_via_buffer_holds_exactly_what_was_published(store_path, io_path):
+    """``save_pages`` items with a ``via`` buffer (the host tier's): once PUBLISHED it holds the
+    page's payload (natively: copied in the pass that seals the page), the chunk reads back as
+    the same bytes; a page already stored leaves its buffer untouched; a buffer of the wrong
+    size is refused before anything is written."""
+    x = make(store_path)
+    src = pool(4, 12)
+    assert x.save_pages(0, [(KEYS[0], None, [src[0]])])[0].result() is SaveStatus.PUBLISHED
+    vias = [torch.full((PAGE,), 0xEE, dtype=torch.uint8) for _ in range(4)]
+    got = [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i, :100], src[i, 100:]], vias[i]) for i in range(4)])]
+    assert got == [SaveStatus.EXISTS] + [SaveStatus.PUBLISHED] * 3
+    assert bool((vias[0] == 0xEE).all())
+    assert all(torch.equal(vias[i], src[i]) for i in range(1, 4))
+    dst = torch.zeros(4, PAGE, dtype=torch.uint8)
+    assert [f.result() for f in x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(4)])] == [LoadStatus.LOADED] * 4
+    assert torch.equal(dst, src)
+    if io_path == "native":
+        root = os.open(store_path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(ValueError, match="add up to the payload"):
+                batchio.write_chunks(root, [("d", "t.tmp", "c", [(src[0].data_ptr(), PAGE), (src[1].data_ptr(), 128)],
+                                             False, [(vias[0].data_ptr(), PAGE - 1)])], 0o644, False, False, False)
+            assert not os.path.exists(os.path.join(store_path, "d"))
+        finally:
+            os.close(root)
+    x.close()

@@ -32,11 +32,13 @@
  *   virtio disks; a page boundary where the kernel does not say).
  * write_chunks(root_fd, jobs, crc_fn, file_mode, chmod, sync, direct, threads, ..., dir_mode,
  *   dir_chmod) -> list[err]
- *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces[, seal]), ...]; writes the pieces end to
- *   end into dir/tmp (created exclusively), optionally fsyncs it, and renames it to dir/name. A
- *   job with seal true is sealed first (seal(), or stage_sealed in the pass that stages it): its
- *   last piece, a trailer packed with a zero payload checksum, gets the payload's CRC32C and its
- *   own, so no Python reads the page. A missing dir is made first, with its parents (dir_mode,
+ *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces[, seal[, outs]]), ...]; writes the pieces
+ *   end to end into dir/tmp (created exclusively), optionally fsyncs it, and renames it to
+ *   dir/name. A job with seal true is sealed first (seal(), or stage_sealed in the pass that
+ *   stages it): its last piece, a trailer packed with a zero payload checksum, gets the payload's
+ *   CRC32C and its own, so no Python reads the page. outs (optional, None, or the payload's
+ *   length in all): where the payload is copied too, in that same pass (the host tier's buffer
+ *   for a page saved through it); a job that then fails leaves them filled but unused. A missing dir is made first, with its parents (dir_mode,
  *   or -1: ENOENT instead), so the first saves into a new store take this path too.
  *   direct: the file's whole 4 KiB blocks go out with O_DIRECT (from the pieces where they are
  *   aligned, as reads judge it, else from an aligned staging copy) and, once that write
@@ -562,18 +564,12 @@ static void seal_trailer(job_t *j, uint32_t payload, crc_fn_t crc) {
     put_le(t + 20, crc(0, t, TRAILER_BYTES), 4);
 }
 
-static void seal(job_t *j, crc_fn_t crc) {
-    uint32_t payload = 0;
-    for (int k = 0; k < j->npieces - 1; k++) payload = crc(payload, j->pieces[k].iov_base, j->pieces[k].iov_len);
-    seal_trailer(j, payload, crc);
-}
-
-/* A save whose leading `cut` bytes go to the disk through `staging` (its pieces are not aligned),
- * sealed in the pass that stages it: the payload copied into staging a STEP at a time and each
- * step checksummed there while in cache (the payload beyond the cut where it is), then the
- * trailer sealed and its bytes below the cut staged too. One read of the page, not two (the
- * checksum's, then the copy's). */
-static void stage_sealed(job_t *j, size_t cut, char *staging, crc_fn_t crc) {
+/* A save's one pass over its payload before the write, a STEP at a time while in cache: copied
+ * into `staging` below `cut` (the pieces are not aligned; 0: nothing staged), checksummed when
+ * `sum`, and copied into the job's outs (the host tier's buffer for the page, which a save fills
+ * as it writes through). One read of the page, not one per purpose. The payload's CRC32C, or 0. */
+static uint32_t payload_pass(job_t *j, crc_fn_t crc, int sum, size_t cut, char *staging) {
+    cursor_t out = {j->outs, j->nouts, 0, 0};
     uint32_t c = 0;
     size_t pos = 0;
     for (int k = 0; k < j->npieces - 1; k++) {
@@ -581,19 +577,32 @@ static void stage_sealed(job_t *j, size_t cut, char *staging, crc_fn_t crc) {
         size_t len = j->pieces[k].iov_len;
         for (size_t at = 0; at < len;) {
             size_t n = len - at < STEP ? len - at : STEP;
+            const char *from = src + at;
             if (pos < cut) {
                 if (n > cut - pos) n = cut - pos;
-                memcpy(staging + pos, src + at, n);
-                c = crc(c, staging + pos, n);
-            } else {
-                c = crc(c, src + at, n);
+                memcpy(staging + pos, from, n);
+                from = staging + pos;
             }
+            if (sum) c = crc(c, from, n);
+            if (j->nouts) put_out(&out, from, n);
             at += n;
             pos += n;
         }
     }
-    seal_trailer(j, c, crc);
-    if (pos < cut) memcpy(staging + pos, j->pieces[j->npieces - 1].iov_base, cut - pos);
+    return c;
+}
+
+static void seal(job_t *j, crc_fn_t crc) {
+    seal_trailer(j, payload_pass(j, crc, 1, 0, NULL), crc);
+}
+
+/* A save whose leading `cut` bytes go to the disk through `staging` (its pieces are not aligned),
+ * sealed in the pass that stages it (payload_pass), then the trailer's bytes below the cut staged
+ * too. */
+static void stage_sealed(job_t *j, size_t cut, char *staging, crc_fn_t crc) {
+    size_t payload = total_len(j->pieces, j->npieces - 1);
+    seal_trailer(j, payload_pass(j, crc, 1, cut, staging), crc);
+    if (payload < cut) memcpy(staging + payload, j->pieces[j->npieces - 1].iov_base, cut - payload);
 }
 
 /* `mem`: the store's direct-I/O memory alignment as this thread learnt it from the first file it
@@ -632,6 +641,8 @@ static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sy
         staged = 1;
     } else if (j->seal) {
         seal(j, crc);
+    } else if (j->nouts) {
+        payload_pass(j, crc, 0, 0, NULL);
     }
     if (do_chmod && fchmod(fd, file_mode) != 0) err = errno;
     if (!err && cut) {
@@ -814,7 +825,7 @@ static job_t *parse_jobs(PyObject *list, Py_ssize_t *count, int writes) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = PySequence_Fast_GET_ITEM(fast, i);
         PyObject *path, *tmp = NULL, *name = NULL, *pieces, *outs = NULL, *expect = NULL;
-        int ok = writes ? PyArg_ParseTuple(t, "SSSO|p", &path, &tmp, &name, &pieces, &jobs[i].seal)
+        int ok = writes ? PyArg_ParseTuple(t, "SSSO|pO", &path, &tmp, &name, &pieces, &jobs[i].seal, &outs)
                         : PyArg_ParseTuple(t, "SO|OO", &path, &pieces, &outs, &expect);
         if (!ok || !(jobs[i].path = copy_bytes(path)) || (writes && (!(jobs[i].tmp = copy_bytes(tmp)) ||
             !(jobs[i].name = copy_bytes(name)))) || parse_pieces(pieces, jobs[i].pieces, &jobs[i].npieces) < 0 ||
