@@ -601,22 +601,12 @@ class KvService:
                         results: Optional[list[Any]], skipped: list[tuple[int, bytes, list[Any], Optional[Reserved]]],
                         nbytes: int, t0: float) -> None:
         """A slice of disk loads finished (``PageTransfer``'s ``on_done``, on its thread, before the
-        pages' futures resolve): a LOADED page's reserved host-tier buffer, which holds the
-        verified payload, becomes its entry (a page without one is copied in), any other's is
-        given back; then the slice is counted at once. ``results`` is None when the slice raised."""
-        loaded = 0
-        puts: list[tuple[Put, int]] = []
-        commits: list[Reserved] = []
-        aborts = [slot for _, _, _, slot in skipped if slot is not None]
-        for k, (_, key, segments, slot) in enumerate(done):
-            ok = results is not None and results[k] is LoadStatus.LOADED
-            loaded += ok
-            if slot is not None:
-                (commits if ok else aborts).append(slot)
-            elif ok and self.host is not None:
-                puts.append(self._fill(key=(rank, group, key), segments=segments))
-        if commits or aborts:
-            puts += zip(self.host.settle_many(commits, aborts), (slot.buf.numel() for slot in commits))
+        pages' futures resolve): its LOADED pages kept in the host tier (``_keep``); then the
+        slice is counted at once. ``results`` is None when the slice raised."""
+        oks = [results is not None and results[k] is LoadStatus.LOADED for k in range(len(done))]
+        puts = self._keep(rank, group, [(key, segments, slot, ok) for (_, key, segments, slot), ok in zip(done, oks)],
+                          [slot for *_, slot in skipped])
+        loaded = sum(oks)
         finished = len(done) + len(skipped)
         self._observe("load", rank, finished, t0)
         self._count_puts(rank, puts, {"loads_loaded": loaded, "bytes_loaded": loaded * nbytes,
@@ -627,30 +617,37 @@ class KvService:
                         results: Optional[list[Any]],
                         skipped: list[tuple[bytes, Optional[bytes], list[Any], Optional[Reserved]]],
                         nbytes: int, t0: float) -> None:
-        """A slice of saves finished (as ``_loads_finished``): a PUBLISHED page's reserved
-        host-tier buffer, which the transfer filled with the payload it wrote, becomes its entry
-        (write-through; a page without one is copied in), any other's is given back; then the
-        slice is counted at once."""
-        published = existing = 0
+        """A slice of saves finished (as ``_loads_finished``): its PUBLISHED pages kept in the
+        host tier (write-through, ``_keep``); then the slice is counted at once."""
+        statuses = [None if results is None else results[k] for k in range(len(done))]
+        puts = self._keep(rank, group, [(key, segments, slot, status is SaveStatus.PUBLISHED)
+                                        for (key, _, segments, slot), status in zip(done, statuses)],
+                          [slot for *_, slot in skipped])
+        published, existing = statuses.count(SaveStatus.PUBLISHED), statuses.count(SaveStatus.EXISTS)
+        finished = len(done) + len(skipped)
+        self._observe("save", rank, finished, t0)
+        self._count_puts(rank, puts, {"saves_published": published, "bytes_saved": published * nbytes,
+                                      "saves_existing": existing, "saves_dropped": finished - published - existing},
+                         finished)
+
+    def _keep(self, rank: int, group: int, pages: list[tuple[bytes, list[Any], Optional[Reserved], bool]],
+              skipped: list[Optional[Reserved]]) -> list[tuple[Put, int]]:
+        """The host tier's side of a finished slice, ``(key, segments, slot, ok)`` per page (ok:
+        LOADED, or PUBLISHED): an ok page's reserved buffer, which the transfer filled with the
+        payload it read or wrote, becomes its entry, and an ok page without one is copied in;
+        every other buffer, the skipped pages' too, is given back. The puts and their bytes,
+        for ``_count_puts``."""
         puts: list[tuple[Put, int]] = []
         commits: list[Reserved] = []
-        aborts = [slot for *_, slot in skipped if slot is not None]
-        for k, (key, _, segments, slot) in enumerate(done):
-            status = None if results is None else results[k]
-            ok = status is SaveStatus.PUBLISHED
-            published += ok
-            existing += status is SaveStatus.EXISTS
+        aborts = [slot for slot in skipped if slot is not None]
+        for key, segments, slot, ok in pages:
             if slot is not None:
                 (commits if ok else aborts).append(slot)
             elif ok and self.host is not None:
                 puts.append(self._fill(key=(rank, group, key), segments=segments))
         if commits or aborts:
             puts += zip(self.host.settle_many(commits, aborts), (slot.buf.numel() for slot in commits))
-        finished = len(done) + len(skipped)
-        self._observe("save", rank, finished, t0)
-        self._count_puts(rank, puts, {"saves_published": published, "bytes_saved": published * nbytes,
-                                      "saves_existing": existing, "saves_dropped": finished - published - existing},
-                         finished)
+        return puts
 
     def _observe(self, op: str, rank: int, pages: int, t0: float) -> None:
         """``pages`` of ``op`` took since ``t0`` (the latency histogram, where metrics are on)."""
