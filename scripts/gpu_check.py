@@ -40,7 +40,8 @@ serve them, and the page cache would hide the disk). The checks, one row each:
 - ``MAX connector``: ``GdsKvConnector`` over CUDA blocks with MAX's stream given: blocks written
   late by a kernel on it are offloaded as written, then loaded into other blocks, compared;
 - ``host tier``: pages saved from CUDA through ``KvService`` with the host tier on (pinned) are
-  loaded back as tier hits, and with it off from disk, compared, GB/s of both.
+  loaded back as tier hits, and with it off from disk, compared, GB/s of both; on the kvikio
+  engine and on the POSIX one (staged spans: the tier filled in the native pass).
 
 ``--device cpu`` is a dry run of the checks that host memory allows: it prints the table and
 exits 3, never 0. The whole run takes well under 5 minutes.
@@ -578,8 +579,11 @@ class Checks:
     def host_tier(self) -> Result:
         """The host tier in front of the disk (pinned where CUDA is): a page saved from device
         memory is written through to the tier; loaded twice into a zeroed page, the first load is
-        a hit from the tier, bytes compared; with the tier off the same load comes from disk."""
+        a hit from the tier, bytes compared; with the tier off the same load comes from disk. On
+        the kvikio engine (the per-page path) and on the POSIX one (staged spans, the tier's
+        buffers filled in the native pass that seals the pages)."""
         from gdskv.config import GdsKvConfig
+        from gdskv.io import make_engine
         from gdskv.service import KvService
         from gdskv.store import NamespaceSpec
         from gdskv.transfer import LoadStatus, SaveStatus, page_segments
@@ -588,10 +592,11 @@ class Checks:
         transfer.close()
         group = layout.group(0)
         spec = NamespaceSpec.from_layout(layout, model="gpu-check-host-tier")
+        posix = make_engine(GdsKvConfig(engine="posix"))
         rows = []
-        for host_bytes in ("64M", 0):
-            service = KvService(GdsKvConfig(store_path=str(self.workdir / f"store-host-{host_bytes}"), host_bytes=host_bytes),
-                                spec, engine=self.engine)
+        for (label, engine), host_bytes in [(e, h) for e in (("kvikio", self.engine), ("posix", posix)) for h in ("64M", 0)]:
+            service = KvService(GdsKvConfig(store_path=str(self.workdir / f"store-host-{label}-{host_bytes}"),
+                                            host_bytes=host_bytes), spec, engine=engine)
             try:
                 keys = [os.urandom(32) for _ in range(8)]
                 saved = [service.save(0, k, None, page_segments(group, s)).result() for s, k in enumerate(keys)]
@@ -610,11 +615,12 @@ class Checks:
                 want = 8 if host_bytes else 0
                 assert hits == want, f"host_bytes={host_bytes}: {hits} host-tier hits, expected {want}"
                 nbytes = group.bytes_per_page * 8
-                rows.append(f"{'tier' if host_bytes else 'disk'} {nbytes / seconds / 1e9:.2f} GB/s")
+                rows.append(f"{label} {'tier' if host_bytes else 'disk'} {nbytes / seconds / 1e9:.2f} GB/s")
             finally:
                 service.close()
+        posix.close()
         return Result("host tier", PASS, f"8 pages of {group.bytes_per_page // KiB} KiB in 2 unaligned regions saved from "
-                      f"{self.device}, loaded back: {', '.join(rows)} (host hits 8 / 0), equal")
+                      f"{self.device}, loaded back: {', '.join(rows)} (host hits 8 / 0 each), equal")
 
     def trtllm_worker(self) -> Result:
         """One prefill through GdsKvScheduler/GdsKvWorker with a real CUDA stream, then a fresh
