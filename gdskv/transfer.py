@@ -146,7 +146,11 @@ class PageTransfer:
 
     def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor],
               via: Optional[torch.Tensor] = None) -> SaveStatus:
-        """One page on the per-page path; a PUBLISHED page's payload is copied into ``via`` too."""
+        """One page on the per-page path; a PUBLISHED page's payload is copied into ``via`` too
+        (``ValueError`` before anything is written when ``via`` is not the page's size)."""
+        if via is not None and via.numel() * via.element_size() != sum(t.numel() * t.element_size() for t in segments):
+            raise ValueError(f"a via buffer of {via.numel() * via.element_size()} bytes for a page of "
+                             f"{sum(t.numel() * t.element_size() for t in segments)}")
         status = self._save_page(group, key, parent, segments)
         if status is SaveStatus.PUBLISHED and via is not None:
             gather(segments, via)
@@ -280,7 +284,8 @@ class PageTransfer:
         rest: list[int] = []
         trailers: list[bytearray] = []
         for i, (key, parent, segments, via) in enumerate(jobs):
-            if sum(t.numel() * t.element_size() for t in segments) != expected:
+            if sum(t.numel() * t.element_size() for t in segments) != expected or \
+                    (via is not None and via.numel() * via.element_size() != expected):
                 rest.append(i)  # ``_save`` raises the size error per page
                 continue
             if present[i]:

@@ -518,6 +518,10 @@ def test_a_saved_pages_via_buffer_holds_exactly_what_was_published(store_path, i
     dst = torch.zeros(4, PAGE, dtype=torch.uint8)
     assert [f.result() for f in x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(4)])] == [LoadStatus.LOADED] * 4
     assert torch.equal(dst, src)
+    wrong = x.save_pages(0, [(KEYS[5], None, [src[0]], torch.zeros(PAGE - 1, dtype=torch.uint8))])[0]
+    with pytest.raises(ValueError, match="via buffer"):
+        wrong.result()
+    assert not os.path.exists(x.ns.chunk_path(0, KEYS[5]))
     if io_path == "native":
         root = os.open(store_path, os.O_RDONLY | os.O_DIRECTORY)
         try:
