@@ -161,7 +161,9 @@ def write_chunks(root_fd: int, jobs: Sequence[tuple], file_mode: int,
     fails with ``ENOENT``. A failed job leaves no file behind. A job ``(dir, tmp, name, pieces,
     True)`` is sealed there first: its last piece, a version 2 CRC32C trailer packed with a zero
     payload checksum, gets the payload's CRC32C and its own (as ``gdskv.format.pack`` makes
-    them), so no Python thread checksums the page. Called by ``PosixEngine``."""
+    them), so no Python thread checksums the page. A job ``(dir, tmp, name, pieces, seal, outs)``
+    also has its payload copied into ``outs`` (pieces of the payload's length in all: the host
+    tier's buffer for the page) in that same pass. Called by ``PosixEngine``."""
     errs = _batchio.write_chunks(root_fd, [(d.encode(), t.encode(), n.encode(), *rest) for d, t, n, *rest in jobs],
                                  _CRC, file_mode, chmod, sync, direct, threads, *staging,
                                  -1 if dir_mode is None else dir_mode, dir_chmod)
