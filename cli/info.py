@@ -15,6 +15,7 @@ from rich.table import Table
 from gdskv.cli._common import human_bytes, open_existing, print_json
 from gdskv.cli.output import console as make_console
 from gdskv.eviction import Limits, catalog, disk_usage, rebuild_catalog, scan_store
+from gdskv.io import batch as batchio
 from gdskv.io import engine_choice, make_engine
 from gdskv.io.capabilities import cuda_driver_present, kvikio_available
 from gdskv.store import PageStore
@@ -68,10 +69,15 @@ def gather(ctx: click.Context) -> dict[str, Any]:
                            "tp_rank": None, "tp_size": None, "groups": groups})
     total, free = disk_usage(str(store.root))
     limits = Limits.of(cfg)
+    try:  # the store's own metadata file: direct I/O is a property of regular files
+        dio = batchio.dio_alignment(str(store.root / "zarr.json"))
+    except OSError:
+        dio = None
     return {
         "store": str(store.root),
         "format_version": store.attributes().get("format_version"),
         "engine": engine_info,
+        "direct_io": None if dio is None else {"memory_align": dio[0], "offset_align": dio[1]},
         "namespaces": namespaces,
         "chunks": sum(n for n, _ in per_array.values()),
         "bytes": sum(b for _, b in per_array.values()),
@@ -79,6 +85,17 @@ def gather(ctx: click.Context) -> dict[str, Any]:
                    "floor_bytes": limits.floor_bytes(total) if limits.active else None},
         "filesystem": {"total_bytes": total, "free_bytes": free},
     }
+
+
+def direct_io_line(d: Any) -> str:
+    """What the store's file system asks of direct I/O, as ``info`` prints it (``gather``'s
+    ``direct_io``): which page memory the native reads and writes move in place."""
+    if d is None:
+        return "alignment not reported by the kernel: pages on 4 KiB boundaries move in place, others are staged"
+    if not d["offset_align"]:
+        return "not supported on this file system: chunks go through the page cache"
+    return (f"pages at {d['memory_align']}-byte-aligned addresses move in place (O_DIRECT); others through an "
+            "aligned staging copy")
 
 
 @click.command()
@@ -103,6 +120,7 @@ def info(ctx: click.Context, as_json: bool, remote: bool) -> None:
     console.print(f"[bold]store[/]   {rep['store']}  (format v{rep['format_version']})")
     console.print(f"[bold]engine[/]  {e['describe']}  (config: {e['configured']}; kvikio {'installed' if e['kvikio_installed'] else 'not installed'}; "
                   f"CUDA driver {'present' if e['cuda_driver'] else 'absent'})")
+    console.print(f"[bold]direct[/]  {direct_io_line(rep['direct_io'])}")
     b, fs = rep["budget"], rep["filesystem"]
     limits = []
     if b["max_bytes"] is not None:

@@ -90,6 +90,25 @@ def test_info(store: tuple[Path, Namespace]) -> None:
     assert run(root, "info").exit_code == 0
 
 
+def test_info_says_which_page_memory_direct_io_moves_in_place(store: tuple[Path, Namespace]) -> None:
+    """``info`` reports the direct-I/O alignment the store's file system asks (statx, as the
+    native reads and writes ask it), and says which pages move in place."""
+    from test_transfer_batch import _dio_mem_align
+
+    if os.uname().machine != "x86_64":
+        pytest.skip("the test calls statx by its x86-64 system call number")
+    root, _ = store
+    rep = json.loads(run(root, "info", "--json").stdout)
+    mem = _dio_mem_align(root / "zarr.json")
+    text = run(root, "info").stdout
+    if mem:
+        assert rep["direct_io"]["memory_align"] == mem and rep["direct_io"]["offset_align"] > 0
+        assert f"pages at {mem}-byte-aligned addresses move in place" in " ".join(text.split())
+    else:
+        assert rep["direct_io"] is None or rep["direct_io"]["offset_align"] == 0
+        assert "direct" in text
+
+
 def test_ls_filters_and_recency(store: tuple[Path, Namespace], chains: list[list[int]]) -> None:
     root, ns = store
     keys = chain_keys(chains[0], TPB)

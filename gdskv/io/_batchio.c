@@ -54,6 +54,9 @@
  *   PATHS_PER_THREAD keys).
  * copy_many(copies, threads): host-memory copies [(dst, src, length), ...] in 1 MiB pieces on
  *   that many threads, the GIL released (host-tier hits into plain host memory).
+ * dio_alignment(fd) -> (memory, offset) | None: what statx says O_DIRECT asks of buffers and
+ *   offsets for the regular file `fd` ((0, 0): no direct I/O there; None: the kernel does not
+ *   say), as read_chunks and write_chunks ask it (gdskv info reports it).
  * copy_device(copies, memcpy_async, stream) -> int: each copy [(dst, src, length), ...] queued in
  *   order on a CUDA stream by the CUDA runtime's cudaMemcpyAsync (its address: memcpy_async, found
  *   by gdskv.io.capabilities; cudaMemcpyDefault, so host to device and back alike), the GIL
@@ -1135,6 +1138,18 @@ static PyObject *copy_many(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *dio_alignment(PyObject *self, PyObject *args) {
+    int fd;
+    if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
+    kstatx_t sx;
+    if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, KSTATX_DIOALIGN, &sx) != 0) {
+        if (errno == ENOSYS || errno == EPERM) Py_RETURN_NONE;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (!(sx.mask & KSTATX_DIOALIGN)) Py_RETURN_NONE;
+    return Py_BuildValue("(II)", sx.dio_mem_align, sx.dio_offset_align);
+}
+
 /* cudaMemcpyAsync's signature (cudaMemcpyDefault: the direction follows from the addresses). */
 typedef int (*memcpy_async_fn)(void *, const void *, size_t, int, void *);
 #define CUDA_MEMCPY_DEFAULT 4
@@ -1492,6 +1507,7 @@ static PyMethodDef methods[] = {
     {"lease_chunks", lease_chunks, METH_VARARGS, "Set times of each store key's chunk (see the module source)."},
     {"copy_many", copy_many, METH_VARARGS, "Host-memory copies (dst, src, length) on this many threads."},
     {"copy_device", copy_device, METH_VARARGS, "Host/device copies (dst, src, length) queued on a CUDA stream."},
+    {"dio_alignment", dio_alignment, METH_VARARGS, "statx's direct-I/O (memory, offset) alignment of a file, or None."},
     {"staging_need", staging_need, METH_VARARGS, "Staging bytes a call of chunks of these sizes needs on this many threads."},
     {"read_chunks", read_chunks, METH_VARARGS, "Read and checksum a batch of chunk files (see the module source)."},
     {"write_chunks", write_chunks, METH_VARARGS, "Write and publish a batch of chunk files (see the module source)."},

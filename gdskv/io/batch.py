@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import struct
 from typing import Any, NamedTuple, Optional, Sequence
 
@@ -176,6 +177,20 @@ def copy_many(copies: Sequence[tuple[int, int, int]], threads: int) -> None:
     1 MiB pieces on ``threads`` native threads without the GIL. Called by
     ``KvService.load_many`` for host-tier hits into plain host memory."""
     _batchio.copy_many(list(copies), threads)
+
+
+def dio_alignment(path: str) -> Optional[tuple[int, int]]:
+    """``(memory, offset)``: the alignment ``statx`` says direct I/O asks of buffers and file
+    offsets for the regular file ``path``, as the native reads and writes ask it (``(0, 0)``: no
+    direct I/O on its file system); None where the kernel does not say or the extension is not
+    built. ``OSError`` when the file cannot be opened. Called by ``gdskv info``."""
+    if _batchio is None:
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        return _batchio.dio_alignment(fd)
+    finally:
+        os.close(fd)
 
 
 def copy_device(copies: Sequence[tuple[int, int, int]], memcpy_async: int, stream: int) -> int:
