@@ -26,6 +26,11 @@ Subjects, all moving pages of the same size and count between a page pool and on
   local-disk backend, each driven in its own virtualenv (``gdskv.peers``), left out with the
   reason where that cannot be had.
 
+The report also says what direct I/O the directory's file system asks (``statx``'s memory
+alignment) and where each torch pool started past a page boundary, so whether the torch pools'
+pages moved in place or through a staging copy: peers that read into page-aligned memory of
+their own never pay that copy.
+
 Each subject saves (timed until the bytes are durable: ``syncfs`` of the directory's file system,
 for every subject alike), loads cold (page cache of its files dropped with
 ``posix_fadvise(DONTNEED)``) and loads warm (its files read once through the page cache first:
@@ -62,6 +67,7 @@ import torch
 from gdskv.bench_options import MAX_PAGE, MIN_PAGE, POOLS, BenchOptions, OneLineParser, parse_args  # noqa: F401
 from gdskv.config import GdsKvConfig
 from gdskv.hosttier import tier_bytes
+from gdskv.io import batch as batchio
 from gdskv.io import make_engine
 from gdskv.io.base import IoEngine, Segment
 from gdskv.io.posix import PosixEngine, aligned_host_buffer, move_all
@@ -571,9 +577,11 @@ def rates(nbytes: int, secs: dict[str, float]) -> str:
 
 
 def _measure_page_size(page_bytes: int, subjects: list[Any], options: BenchOptions, base: Path,
-                       log: Callable[[str], None], skipped: dict[str, str]) -> dict[str, dict[str, list[float]]]:
+                       log: Callable[[str], None], skipped: dict[str, str],
+                       torch_offsets: dict[int, int]) -> dict[str, dict[str, list[float]]]:
     """Every round of every subject at one page size. A peer whose driver dies is taken out of
-    ``subjects`` (for the later page sizes too), with the reason in ``skipped``."""
+    ``subjects`` (for the later page sizes too), with the reason in ``skipped``. Where the torch
+    pool that pages load into starts past a page boundary goes into ``torch_offsets``."""
     from gdskv.peers import PeerUnavailable
 
     num_pages = max(1, options.total_bytes // page_bytes)
@@ -587,6 +595,8 @@ def _measure_page_size(page_bytes: int, subjects: list[Any], options: BenchOptio
         source, target = page_pool(num_pages, page_bytes, kind), page_pool(num_pages, page_bytes, kind)
         source.copy_(data)
         pools[kind] = (source, target)
+        if kind == "torch":
+            torch_offsets[page_bytes] = target.data_ptr() % 4096
     del data
     samples: dict[str, dict[str, list[float]]] = {s.name: {} for s in subjects}
     for rnd in range(options.rounds if subjects else 0):  # every subject may have been left out
@@ -684,11 +694,13 @@ def _run(options: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
         raise ValueError("gdskv bench: --engines takes one kvikio label at most (its settings are process-wide)")
     subjects: list[Any] = []
     try:
+        report["direct_io"] = _direct_io(base)
         subjects = _subjects(options, base, report, log)
         gc.collect()
         gc.freeze()
         for page_bytes in options.page_sizes:
-            samples = _measure_page_size(page_bytes, subjects, options, base, log, report["skipped"])
+            samples = _measure_page_size(page_bytes, subjects, options, base, log, report["skipped"],
+                                         report["direct_io"]["torch_pool_offsets"])
             moved = max(1, options.total_bytes // page_bytes) * page_bytes
             for name, s in samples.items():
                 row: dict[str, Any] = {"page_bytes": page_bytes, "subject": name, "bytes": moved}
@@ -703,6 +715,19 @@ def _run(options: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
             subject.close()
         shutil.rmtree(base, ignore_errors=True)
     return report
+
+
+def _direct_io(base: Path) -> dict[str, Any]:
+    """The direct-I/O memory alignment the file system under ``base`` asks (``statx``; None where
+    the kernel does not say; 0 where it takes no direct I/O); ``_measure_page_size`` adds where
+    each torch pool started past a page boundary (``torch_pool_offsets``, by page size)."""
+    probe = base / "direct-io-probe"
+    probe.write_bytes(b"\0")
+    try:
+        dio = batchio.dio_alignment(str(probe))
+    finally:
+        probe.unlink()
+    return {"memory_align": None if dio is None else (dio[0] if dio[1] else 0), "torch_pool_offsets": {}}
 
 
 def _add_ratios(report: dict[str, Any], page_bytes: int) -> None:
@@ -754,6 +779,17 @@ def format_report(report: dict[str, Any]) -> str:
     for what, why in report["skipped"].items():
         lines.append(f"{what} left out: {why}")
     opts = report["options"]
+    dio = report.get("direct_io")
+    if dio:
+        align, offsets = dio["memory_align"], dio["torch_pool_offsets"]
+        if align == 0:
+            lines.append("direct I/O: none on this file system (chunks go through the page cache)")
+        else:
+            rule = align or 4096  # what the native path assumes where the kernel does not say
+            said = f"{align}-byte-aligned memory moves in place" if align else "alignment not reported (4 KiB assumed)"
+            pools = ", ".join(f"{_size(int(page))} pages +{off} B ({'in place' if off % rule == 0 else 'staged'})"
+                              for page, off in offsets.items())
+            lines.append(f"direct I/O: {said}" + (f"; the torch pools started past a page boundary by: {pools}" if pools else ""))
     lines.append(f"GB/s = 1e9 bytes/s; medians of {opts['rounds']} rounds of {opts['total_bytes'] >> 20} MiB; save "
                  f"includes syncfs; cold = page cache dropped; warm = files in the page cache; targets: cold >= "
                  f"{LOAD_TARGET} x ceiling and >= {PEER_TARGET} x vLLM's tier, save >= {SAVE_TARGET} x the best raw "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,29 @@ def test_a_peer_without_its_virtualenv_is_left_out_with_the_reason(tmp_path: Pat
     assert "no usable virtualenv" in report["skipped"]["peer vllm"]
     assert [r["subject"] for r in report["results"]] == ["store:posix+o_direct@torch", "service:host-tier@torch"]
     assert "peer vllm left out" in format_report(report)
+
+
+def test_the_report_says_whether_the_torch_pools_pages_move_in_place_or_staged(tmp_path: Path) -> None:
+    """The bench reports the direct-I/O alignment of its directory's file system (statx) and
+    where each torch pool started, and says which way its pages moved: the key to reading its
+    cold loads against peers whose memory is page-aligned."""
+    from gdskv.bench import BenchOptions, format_report, run
+    from test_transfer_batch import _dio_mem_align
+
+    report = run(BenchOptions(directory=str(tmp_path), total_bytes=128 << 10, page_sizes=(64 << 10,), rounds=1,
+                              engines=("posix+o_direct",), peers=(), baselines=False, service=False))
+    dio = report["direct_io"]
+    [(page, offset)] = dio["torch_pool_offsets"].items()
+    assert page == 64 << 10 and 0 <= offset < 4096
+    text = " ".join(format_report(report).split())
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x")
+    mem = _dio_mem_align(probe) if os.uname().machine == "x86_64" else None
+    if mem:
+        assert dio["memory_align"] == mem and f"{mem}-byte-aligned memory moves in place" in text
+        assert f"64K pages +{offset} B ({'in place' if offset % mem == 0 else 'staged'})" in text
+    else:
+        assert "direct I/O:" in text
 
 
 def test_the_peer_driver_loop_answers_each_command_and_reports_failures(tmp_path: Path) -> None:
