@@ -91,7 +91,7 @@ def direct_io_line(d: Any) -> str:
     """What the store's file system asks of direct I/O, as ``info`` prints it (``gather``'s
     ``direct_io``): which page memory the native reads and writes move in place."""
     if d is None:
-        return "alignment not reported by the kernel: pages on 4 KiB boundaries move in place, others are staged"
+        return "alignment not known (no statx answer, or no native path): pages on 4 KiB boundaries move in place, others are staged"
     if not d["offset_align"]:
         return "not supported on this file system: chunks go through the page cache"
     return (f"pages at {d['memory_align']}-byte-aligned addresses move in place (O_DIRECT); others through an "
