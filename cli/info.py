@@ -77,7 +77,8 @@ def gather(ctx: click.Context) -> dict[str, Any]:
         "store": str(store.root),
         "format_version": store.attributes().get("format_version"),
         "engine": engine_info,
-        "direct_io": None if dio is None else {"memory_align": dio[0], "offset_align": dio[1]},
+        "direct_io": None if dio is None else {"memory_align": dio.memory, "offset_align": dio.offset,
+                                               "in_place_align": dio.in_place},
         "namespaces": namespaces,
         "chunks": sum(n for n, _ in per_array.values()),
         "bytes": sum(b for _, b in per_array.values()),
@@ -94,7 +95,7 @@ def direct_io_line(d: Any) -> str:
         return "alignment not known (no statx answer, or no native path): pages on 4 KiB boundaries move in place, others are staged"
     if not d["offset_align"]:
         return "not supported on this file system: chunks go through the page cache"
-    return (f"pages at {d['memory_align']}-byte-aligned addresses move in place (O_DIRECT); others through an "
+    return (f"pages at {d['in_place_align']}-byte-aligned addresses move in place (O_DIRECT); others through an "
             "aligned staging copy")
 
 

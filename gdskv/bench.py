@@ -718,16 +718,17 @@ def _run(options: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
 
 
 def _direct_io(base: Path) -> dict[str, Any]:
-    """The direct-I/O memory alignment the file system under ``base`` asks (``statx``; None where
-    the kernel does not say; 0 where it takes no direct I/O); ``_measure_page_size`` adds where
-    each torch pool started past a page boundary (``torch_pool_offsets``, by page size)."""
+    """The memory alignment at which the native path moves pages in place on the file system
+    under ``base`` (``batchio.dio_alignment``; None where the kernel does not say; 0 where it
+    takes no direct I/O); ``_measure_page_size`` adds where each torch pool started past a page
+    boundary (``torch_pool_offsets``, by page size)."""
     probe = base / "direct-io-probe"
     probe.write_bytes(b"\0")
     try:
         dio = batchio.dio_alignment(str(probe))
     finally:
         probe.unlink()
-    return {"memory_align": None if dio is None else (dio[0] if dio[1] else 0), "torch_pool_offsets": {}}
+    return {"memory_align": None if dio is None else (dio.in_place if dio.offset else 0), "torch_pool_offsets": {}}
 
 
 def _add_ratios(report: dict[str, Any], page_bytes: int) -> None:
@@ -785,7 +786,7 @@ def format_report(report: dict[str, Any]) -> str:
         if align == 0:
             lines.append("direct I/O: none on this file system (chunks go through the page cache)")
         else:
-            rule = align or 4096  # what the native path assumes where the kernel does not say
+            rule = align or batchio.ALIGN  # what the native path assumes where the kernel does not say
             said = f"{align}-byte-aligned memory moves in place" if align else "alignment not reported (4 KiB assumed)"
             pools = ", ".join(f"{_size(int(page))} pages +{off} B ({'in place' if off % rule == 0 else 'staged'})"
                               for page, off in offsets.items())

@@ -148,9 +148,10 @@ class PageTransfer:
               via: Optional[torch.Tensor] = None) -> SaveStatus:
         """One page on the per-page path; a PUBLISHED page's payload is copied into ``via`` too
         (``ValueError`` before anything is written when ``via`` is not the page's size)."""
-        if via is not None and via.numel() * via.element_size() != sum(t.numel() * t.element_size() for t in segments):
-            raise ValueError(f"a via buffer of {via.numel() * via.element_size()} bytes for a page of "
-                             f"{sum(t.numel() * t.element_size() for t in segments)}")
+        if via is not None:
+            nbytes = sum(t.numel() * t.element_size() for t in segments)
+            if via.numel() * via.element_size() != nbytes:
+                raise ValueError(f"a via buffer of {via.numel() * via.element_size()} bytes for a page of {nbytes}")
         status = self._save_page(group, key, parent, segments)
         if status is SaveStatus.PUBLISHED and via is not None:
             gather(segments, via)

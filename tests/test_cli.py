@@ -103,6 +103,7 @@ def test_info_says_which_page_memory_direct_io_moves_in_place(store: tuple[Path,
     text = run(root, "info").stdout
     if mem:
         assert rep["direct_io"]["memory_align"] == mem and rep["direct_io"]["offset_align"] > 0
+        assert rep["direct_io"]["in_place_align"] == (mem if 4096 % mem == 0 else 4096)
         assert f"pages at {mem}-byte-aligned addresses move in place" in " ".join(text.split())
     else:
         assert rep["direct_io"] is None or rep["direct_io"]["offset_align"] == 0

@@ -54,9 +54,11 @@
  *   PATHS_PER_THREAD keys).
  * copy_many(copies, threads): host-memory copies [(dst, src, length), ...] in 1 MiB pieces on
  *   that many threads, the GIL released (host-tier hits into plain host memory).
- * dio_alignment(fd) -> (memory, offset) | None: what statx says O_DIRECT asks of buffers and
- *   offsets for the regular file `fd` ((0, 0): no direct I/O there; None: the kernel does not
- *   say), as read_chunks and write_chunks ask it (gdskv info reports it).
+ * dio_alignment(fd) -> (memory, offset, in_place) | None: what statx says O_DIRECT asks of
+ *   buffers and offsets for the regular file `fd` ((0, 0, ...): no direct I/O there; None: the
+ *   kernel does not say), and the memory alignment at which read_chunks and write_chunks move a
+ *   page in place there (in_place_mem: the same rule, not a copy of it; gdskv info and gdskv
+ *   bench report it).
  * copy_device(copies, memcpy_async, stream) -> int: each copy [(dst, src, length), ...] queued in
  *   order on a CUDA stream by the CUDA runtime's cudaMemcpyAsync (its address: memcpy_async, found
  *   by gdskv.io.capabilities; cudaMemcpyDefault, so host to device and back alike), the GIL
@@ -210,10 +212,19 @@ typedef struct {
 #define KSTATX_TYPE 0x1U
 #define KSTATX_DIOALIGN 0x2000U
 
-/* The file's mode, and in `*mem` the memory alignment its file system asks of O_DIRECT buffers
- * (statx STATX_DIOALIGN, Linux 6.1+: 4 bytes on NVMe, 512 on the virtio disks measured). ALIGN where
- * the kernel does not say, or says something this file's offsets could not meet: O_DIRECT then
- * takes only page-aligned memory, as it always may. 0, or an errno. */
+/* The memory alignment at which O_DIRECT moves a page in place, from statx's answer: the one the
+ * file system asks of O_DIRECT buffers (STATX_DIOALIGN, Linux 6.1+: 4 bytes on NVMe, 512 on the
+ * virtio disks measured); ALIGN where the kernel does not say, or says something a chunk's 4 KiB
+ * offsets could not meet: O_DIRECT then takes only page-aligned memory, as it always may. */
+static unsigned in_place_mem(const kstatx_t *sx) {
+    if ((sx->mask & KSTATX_DIOALIGN) && sx->dio_mem_align && sx->dio_mem_align <= ALIGN &&
+        ALIGN % sx->dio_mem_align == 0 && sx->dio_offset_align && ALIGN % sx->dio_offset_align == 0)
+        return sx->dio_mem_align;
+    return ALIGN;
+}
+
+/* The file's mode and in `*mem` its in_place_mem, from one statx (fstat, and ALIGN, where a
+ * seccomp filter or an old kernel refuses statx). 0, or an errno. */
 static int file_dio_mem(int fd, mode_t *mode, unsigned *mem) {
     kstatx_t sx;
     *mem = ALIGN;
@@ -225,9 +236,7 @@ static int file_dio_mem(int fd, mode_t *mode, unsigned *mem) {
         return 0;
     }
     *mode = sx.mode;
-    if ((sx.mask & KSTATX_DIOALIGN) && sx.dio_mem_align && sx.dio_mem_align <= ALIGN &&
-        ALIGN % sx.dio_mem_align == 0 && sx.dio_offset_align && ALIGN % sx.dio_offset_align == 0)
-        *mem = sx.dio_mem_align;
+    *mem = in_place_mem(&sx);
     return 0;
 }
 
@@ -1147,7 +1156,7 @@ static PyObject *dio_alignment(PyObject *self, PyObject *args) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     if (!(sx.mask & KSTATX_DIOALIGN)) Py_RETURN_NONE;
-    return Py_BuildValue("(II)", sx.dio_mem_align, sx.dio_offset_align);
+    return Py_BuildValue("(III)", sx.dio_mem_align, sx.dio_offset_align, in_place_mem(&sx));
 }
 
 /* cudaMemcpyAsync's signature (cudaMemcpyDefault: the direction follows from the addresses). */

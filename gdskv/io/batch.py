@@ -179,18 +179,30 @@ def copy_many(copies: Sequence[tuple[int, int, int]], threads: int) -> None:
     _batchio.copy_many(list(copies), threads)
 
 
-def dio_alignment(path: str) -> Optional[tuple[int, int]]:
-    """``(memory, offset)``: the alignment ``statx`` says direct I/O asks of buffers and file
-    offsets for the regular file ``path``, as the native reads and writes ask it (``(0, 0)``: no
-    direct I/O on its file system); None where the kernel does not say or the extension is not
-    built. ``OSError`` when the file cannot be opened. Called by ``gdskv info``."""
+class DirectIo(NamedTuple):
+    """What ``statx`` says direct I/O asks on a file's file system (``memory``, ``offset``: the
+    alignment of buffers and of file offsets; ``offset`` 0: no direct I/O there), and
+    ``in_place``: the memory alignment at which the native reads and writes move a page in place
+    there, by the rule they use themselves (the file system's alignment where it divides a
+    page, else a page)."""
+
+    memory: int
+    offset: int
+    in_place: int
+
+
+def dio_alignment(path: str) -> Optional[DirectIo]:
+    """The ``DirectIo`` of the regular file ``path``; None where the kernel does not say or the
+    extension is not built. ``OSError`` when the file cannot be opened. Called by ``gdskv info``
+    and ``gdskv bench``."""
     if _batchio is None:
         return None
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        return _batchio.dio_alignment(fd)
+        got = _batchio.dio_alignment(fd)
     finally:
         os.close(fd)
+    return None if got is None else DirectIo(*got)
 
 
 def copy_device(copies: Sequence[tuple[int, int, int]], memcpy_async: int, stream: int) -> int:
