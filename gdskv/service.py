@@ -436,11 +436,10 @@ class KvService:
         pages = [(key, parent, list(segments)) for key, parent, segments in items]
         t0 = time.perf_counter()
         nbytes = self.bytes_per_page(group)
-        slots: list[Optional[Reserved]] = [None] * len(pages)
-        if self.host is not None:
-            slots = self._reserve_many(rank, group, [key for key, _, _ in pages],
-                                       [payload_nbytes(segments) for _, _, segments in pages])
-        entries = [(*page, slot) for page, slot in zip(pages, slots)]
+        # No tier slot is reserved up front for a save (the transfer could fill it in its sealing
+        # pass): a slot held through the write evicted entries early, and under contention loads
+        # then found none. A PUBLISHED page is copied in when its save finishes (``_keep``).
+        entries: list[tuple[bytes, Optional[bytes], list[Any], Optional[Reserved]]] = [(*page, None) for page in pages]
         with self._lock:
             self._inflight += len(pages)
             self._add({"saves_posted": len(pages)})

@@ -644,31 +644,3 @@ def test_copy_device_queues_every_copy_in_order_on_the_stream_and_stops_at_the_f
         d.zero_()
     assert batchio.copy_device(copies, fn, 0xABC) == 700
     assert len(asked) == 2 and bool((dst[2] == 0).all())
-
-
-def test_a_save_fills_its_tier_buffer_in_the_pass_that_seals_it_not_on_the_serving_thread(tmp_path, monkeypatch):
-    """Write-through on the native path: a step's saved pages land in the buffers the tier keeps
-    them in during the native pass that checksums and writes them, so finishing the step (its
-    ``reap``, on the serving loop's thread) copies nothing; a page already stored gives its
-    buffer back; each entry is exactly its page, served back as a hit."""
-    from gdskv.io import batch as batchio
-
-    if not batchio.available():
-        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
-    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
-    keys = svc.keys(TOKENS)
-    save_all(svc, keys[:1])
-    copied: list[bytes] = []
-    real = svc._fill
-    monkeypatch.setattr(svc, "_fill", lambda key, segments: (copied.append(key[2]), real(key=key, segments=segments))[1])
-    futures = svc.save_many(0, [(keys[i], keys[i - 1] if i else None, page(i)) for i in range(6)])
-    svc.reap()
-    assert [f.result() for f in futures] == [SaveStatus.EXISTS] + [SaveStatus.PUBLISHED] * 5
-    assert copied == [], "the serving thread copied saved pages into the tier"
-    c = svc.snapshot()
-    assert (c["host_fills"], c["host_fill_bytes"], len(svc.host), svc.host.used) == (6, 6 * PAGE, 6, 6 * PAGE)
-    for i in range(6):
-        out = empty()
-        assert svc.load(0, keys[i], out).result() is LoadStatus.LOADED and same(out, page(i))
-    assert svc.snapshot()["host_hits"] == 6 and svc.namespace.counters["loads_hit"] == 0
-    svc.close()
