@@ -78,6 +78,8 @@ KINDS = ("save", "load_cold", "load_warm")
 SAVE_TARGET = 0.85  # store save >= 0.85 x the best raw durable write (issue 13)
 LOAD_TARGET = 0.9  # store cold load >= 0.9 x the disk's ceiling
 PEER_TARGET = 1.1  # store cold load >= 1.1 x vLLM's file-system tier
+WARM_TARGET = 1.0  # store warm load >= plain buffered reads of the same files
+HOT_TARGET = 5.0  # a host-tier hit >= 5 x a cold load (subjects with a tier)
 
 
 class _Subject:
@@ -735,7 +737,8 @@ def _add_ratios(report: dict[str, Any], page_bytes: int) -> None:
     """Store rows get ``vs_ceiling`` (cold load), ``vs_vllm`` (cold load, where the vLLM tier
     ran), ``vs_raw`` (per kind, against the better of ``raw`` and ``raw+o_direct``: for saves,
     the raw durable write) and ``meets_target`` (save >= SAVE_TARGET x raw, cold >= LOAD_TARGET x
-    ceiling, and >= PEER_TARGET x vLLM where it ran)."""
+    ceiling, and >= PEER_TARGET x vLLM where it ran, warm >= WARM_TARGET x ``files``, hot >=
+    HOT_TARGET x cold where the subject has a host tier)."""
     rows = {r["subject"]: r for r in report["results"] if r["page_bytes"] == page_bytes}
     raws = [row for name, row in rows.items() if name.startswith("raw")]
     ceiling, vllm, files = rows.get("ceiling"), rows.get("peer:vllm-fs-tier"), rows.get("files")
@@ -744,12 +747,13 @@ def _add_ratios(report: dict[str, Any], page_bytes: int) -> None:
             continue
         if row.get("load_hot_gbps"):
             row["hot_vs_cold"] = row["load_hot_gbps"] / row["load_cold_gbps"]
-        met = []
+        met = [row["hot_vs_cold"] >= HOT_TARGET] if "hot_vs_cold" in row else []
         if raws:
             row["vs_raw"] = {k: row[f"{k}_gbps"] / max(r[f"{k}_gbps"] for r in raws) for k in KINDS}
             met.append(row["vs_raw"]["save"] >= SAVE_TARGET)
         if files:
             row["warm_vs_files"] = row["load_warm_gbps"] / files["load_warm_gbps"]
+            met.append(row["warm_vs_files"] >= WARM_TARGET)
         if ceiling:
             row["vs_ceiling"] = row["load_cold_gbps"] / ceiling["load_cold_gbps"]
             met.append(row["vs_ceiling"] >= LOAD_TARGET)
@@ -794,7 +798,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"GB/s = 1e9 bytes/s; medians of {opts['rounds']} rounds of {opts['total_bytes'] >> 20} MiB; save "
                  f"includes syncfs; cold = page cache dropped; warm = files in the page cache; targets: cold >= "
                  f"{LOAD_TARGET} x ceiling and >= {PEER_TARGET} x vLLM's tier, save >= {SAVE_TARGET} x the best raw "
-                 f"durable write; warm/raw compares with the better raw warm read (a page-cache copy), warm/files with "
+                 f"durable write, warm >= {WARM_TARGET} x files, hot >= {HOT_TARGET} x cold; warm/raw compares with the better raw warm read (a page-cache copy), warm/files with "
                  f"plain buffered reads of one file per page (the same count and sizes) at the store's depth")
     return "\n".join(lines)
 

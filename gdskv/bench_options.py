@@ -4,6 +4,7 @@ apart from the benchmark itself so that a usage mistake is answered before torch
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from dataclasses import dataclass, field
 from typing import NoReturn, Optional, Sequence
@@ -85,6 +86,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool
     unknown = [p for p in args.peers.split(",") if p and p not in ("vllm", "lmcache")]
     if unknown:
         parser.error(f"--peers: unknown peer {unknown[0]!r} (vllm, lmcache)")
+    if not os.path.isdir(args.dir):
+        parser.error(f"--dir: not a directory: {args.dir}")
     options = BenchOptions(
         directory=args.dir, total_bytes=parse_size(args.total),
         page_sizes=tuple(args.page_size or (256 << 10, 1 << 20, 4 << 20)), pools=tuple(args.pool or ("torch",)),

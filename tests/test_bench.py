@@ -294,3 +294,24 @@ def test_a_peer_driver_whose_bench_is_killed_exits_by_itself(tmp_path: Path) -> 
     while _running(driver) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _running(driver)
+
+
+def test_a_row_meets_its_target_only_when_every_ratio_of_the_issue_does() -> None:
+    from gdskv.bench import _add_ratios
+
+    def row(subject: str, save: float, cold: float, warm: float, hot: float = 0.0) -> dict:
+        return {"page_bytes": 1 << 20, "subject": subject, "save_gbps": save, "load_cold_gbps": cold,
+                "load_warm_gbps": warm, **({"load_hot_gbps": hot} if hot else {})}
+
+    base = [row("ceiling", 3.0, 2.0, 2.0), row("raw", 2.0, 2.0, 10.0), row("files", 1.0, 1.5, 8.0),
+            row("peer:vllm-fs-tier", 1.0, 1.75, 2.0)]
+    cases = {"store:ok": (row("store:ok", 1.8, 1.95, 8.0), True),
+             "service:ok": (row("service:ok", 1.8, 1.95, 8.0, 10.0), True),
+             "store:slow-save": (row("store:slow-save", 1.6, 1.95, 8.0), False),
+             "store:slow-cold": (row("store:slow-cold", 1.8, 1.7, 8.0), False),
+             "store:below-vllm": (row("store:below-vllm", 1.8, 1.85, 8.0), False),
+             "store:slow-warm": (row("store:slow-warm", 1.8, 1.95, 7.9), False),
+             "service:cool-tier": (row("service:cool-tier", 1.8, 1.95, 8.0, 9.7), False)}
+    report = {"results": base + [r for r, _ in cases.values()]}
+    _add_ratios(report, 1 << 20)
+    assert {name: r["meets_target"] for name, (r, _) in cases.items()} == {n: want for n, (_, want) in cases.items()}

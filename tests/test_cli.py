@@ -496,7 +496,8 @@ def test_bench_answers_a_bad_option_with_one_line(tmp_path: Path) -> None:
     for args, said in ((("--page-size", "3K"), "page size must be a multiple of 512 bytes"),
                        (("--page-size", "3X"), "argument --page-size: not a size: '3X'"),
                        (("--rounds", "0"), "--rounds must be at least 1"),
-                       (("--peers", "sglang"), "unknown peer 'sglang'")):
+                       (("--peers", "sglang"), "unknown peer 'sglang'"),
+                       (("--dir", str(tmp_path / "absent")), f"--dir: not a directory: {tmp_path / 'absent'}")):
         res = gdskv(tmp_path / "store", "bench", "--", *args)
         assert res.returncode == 2 and res.stdout == "", res
         assert res.stderr.count("\n") == 1 and res.stderr.startswith("gdskv bench: ") and said in res.stderr, res.stderr
