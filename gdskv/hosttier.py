@@ -201,17 +201,20 @@ class HostTier:
         second one after the load)."""
         return self.reserve_many([key], [nbytes])[0]
 
-    def reserve_many(self, keys: Sequence[Hashable], sizes: Sequence[Optional[int]]) -> list[Optional["Reserved"]]:
+    def reserve_many(self, keys: Sequence[Hashable], sizes: Sequence[Optional[int]],
+                     evict: bool = True) -> list[Optional["Reserved"]]:
         """``reserve`` for a step's pages read from the disk at once (a size None or 0 gets
         None): room made and counted under one lock, buffers taken in one pass
-        (``SlabPool.take_many``). Called by ``KvService.load_many``."""
+        (``SlabPool.take_many``). Called by ``KvService.load_many``, and by ``save_many`` with
+        ``evict=False``: a save only takes room the tier has free (a page that gets none is
+        copied in when its save is done), so a write in flight never pushes out entries."""
         out: list[Optional[Reserved]] = [None] * len(keys)
         want: list[tuple[int, Hashable, int, int, int]] = []
         with self._lock:
             for i, (key, nbytes) in enumerate(zip(keys, sizes)):
                 if key in self._entries:
                     self._entries.move_to_end(key)
-                elif nbytes and 0 < nbytes <= self.capacity:
+                elif nbytes and 0 < nbytes <= self.capacity and (evict or self._used + nbytes <= self.capacity):
                     pages, freed = self._evict_until(self.capacity - nbytes)
                     self._used += nbytes
                     want.append((i, key, nbytes, pages, freed))

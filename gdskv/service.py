@@ -436,10 +436,14 @@ class KvService:
         pages = [(key, parent, list(segments)) for key, parent, segments in items]
         t0 = time.perf_counter()
         nbytes = self.bytes_per_page(group)
-        # No tier slot is reserved up front for a save (the transfer could fill it in its sealing
-        # pass): a slot held through the write evicted entries early, and under contention loads
-        # then found none. A PUBLISHED page is copied in when its save finishes (``_keep``).
-        entries: list[tuple[bytes, Optional[bytes], list[Any], Optional[Reserved]]] = [(*page, None) for page in pages]
+        # A save's tier slot, filled by the transfer in the pass that seals the page, comes only
+        # from free room: one that evicted for a write in flight left loads under contention
+        # without their entries. A PUBLISHED page without a slot is copied in when done (``_keep``).
+        slots: list[Optional[Reserved]] = [None] * len(pages)
+        if self.host is not None:
+            slots = self._reserve_many(rank, group, [key for key, _, _ in pages],
+                                       [payload_nbytes(segments) for _, _, segments in pages], evict=False)
+        entries = [(*page, slot) for page, slot in zip(pages, slots)]
         with self._lock:
             self._inflight += len(pages)
             self._add({"saves_posted": len(pages)})
@@ -585,13 +589,15 @@ class KvService:
         shared.add("host_hit_bytes", size)
         self._observe("load", rank, k, t0)
 
-    def _reserve_many(self, rank: int, group: int, keys: list[bytes], sizes: list[Optional[int]]) -> list[Optional[Reserved]]:
+    def _reserve_many(self, rank: int, group: int, keys: list[bytes], sizes: list[Optional[int]],
+                      evict: bool = True) -> list[Optional[Reserved]]:
         """Host-tier buffers for a step's pages about to be read from the disk or saved (the
         transfer copies each payload there in the pass that copies it into the page, or seals it:
         ``PageTransfer.load_pages`` / ``save_pages``); a None where the tier holds the page
-        already, it does not fit, or its segments cannot be copied in place (size None)."""
+        already, it does not fit (without evicting, for ``evict=False``: saves), or its segments
+        cannot be copied in place (size None)."""
         try:
-            return self.host.reserve_many([(rank, group, key) for key in keys], sizes)
+            return self.host.reserve_many([(rank, group, key) for key in keys], sizes, evict)
         except Exception as e:  # never into the serving loop: the pages are only not kept
             log.warning("gdskv: no host-tier buffers for %d pages: %s", len(keys), e)
             return [None] * len(keys)

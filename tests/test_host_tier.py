@@ -644,3 +644,52 @@ def test_copy_device_queues_every_copy_in_order_on_the_stream_and_stops_at_the_f
         d.zero_()
     assert batchio.copy_device(copies, fn, 0xABC) == 700
     assert len(asked) == 2 and bool((dst[2] == 0).all())
+
+
+def test_a_save_fills_its_tier_buffer_in_the_pass_that_seals_it_not_on_the_serving_thread(tmp_path, monkeypatch):
+    """Write-through on the native path: a step's saved pages land in the buffers the tier keeps
+    them in during the native pass that checksums and writes them, so finishing the step (its
+    ``reap``, on the serving loop's thread) copies nothing; a page already stored gives its
+    buffer back; each entry is exactly its page, served back as a hit."""
+    from gdskv.io import batch as batchio
+
+    if not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:1])
+    copied: list[bytes] = []
+    real = svc._fill
+    monkeypatch.setattr(svc, "_fill", lambda key, segments: (copied.append(key[2]), real(key=key, segments=segments))[1])
+    futures = svc.save_many(0, [(keys[i], keys[i - 1] if i else None, page(i)) for i in range(6)])
+    svc.reap()
+    assert [f.result() for f in futures] == [SaveStatus.EXISTS] + [SaveStatus.PUBLISHED] * 5
+    assert copied == [], "the serving thread copied saved pages into the tier"
+    c = svc.snapshot()
+    assert (c["host_fills"], c["host_fill_bytes"], len(svc.host), svc.host.used) == (6, 6 * PAGE, 6, 6 * PAGE)
+    for i in range(6):
+        out = empty()
+        assert svc.load(0, keys[i], out).result() is LoadStatus.LOADED and same(out, page(i))
+    assert svc.snapshot()["host_hits"] == 6 and svc.namespace.counters["loads_hit"] == 0
+    svc.close()
+
+
+def test_a_save_takes_only_free_tier_room_and_evicts_nothing_while_it_writes(tmp_path):
+    """A full tier: a save gets no buffer up front (its write must not push entries out while in
+    flight); the page is copied in when the save is done, evicting then, and served back."""
+    svc = KvService(cfg_at(tmp_path, host_bytes=3 * PAGE), spec())
+    keys = svc.keys(TOKENS)
+    save_all(svc, keys[:3])
+    assert len(svc.host) == 3 and svc.host.used == 3 * PAGE
+    slots = svc.host.reserve_many([(0, 0, keys[3]), (0, 0, keys[4])], [PAGE, PAGE], evict=False)
+    assert slots == [None, None] and len(svc.host) == 3 and svc.snapshot().get("host_evictions", 0) == 0
+    svc.host.discard((0, 0, keys[0]))
+    slots = svc.host.reserve_many([(0, 0, keys[3]), (0, 0, keys[4])], [PAGE, PAGE], evict=False)
+    assert slots[0] is not None and slots[1] is None and len(svc.host) == 2
+    svc.host.abort(slots[0])
+    assert svc.save(0, keys[3], keys[2], page(3)).result() is SaveStatus.PUBLISHED
+    svc.reap()
+    out = empty()
+    assert svc.load(0, keys[3], out).result() is LoadStatus.LOADED and same(out, page(3))
+    assert svc.snapshot()["host_hits"] == 1
+    svc.close()
