@@ -798,8 +798,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"GB/s = 1e9 bytes/s; medians of {opts['rounds']} rounds of {opts['total_bytes'] >> 20} MiB; save "
                  f"includes syncfs; cold = page cache dropped; warm = files in the page cache; targets: cold >= "
                  f"{LOAD_TARGET} x ceiling and >= {PEER_TARGET} x vLLM's tier, save >= {SAVE_TARGET} x the best raw "
-                 f"durable write, warm >= {WARM_TARGET} x files, hot >= {HOT_TARGET} x cold; warm/raw compares with the better raw warm read (a page-cache copy), warm/files with "
-                 f"plain buffered reads of one file per page (the same count and sizes) at the store's depth")
+                 f"durable write, warm >= {WARM_TARGET} x files, hot >= {HOT_TARGET} x cold; warm/raw compares with "
+                 f"the better raw warm read (a page-cache copy), warm/files with plain buffered reads of one file per "
+                 f"page (the same count and sizes) at the store's depth")
     return "\n".join(lines)
 
 
