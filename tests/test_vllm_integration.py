@@ -328,3 +328,24 @@ def test_prewarm_with_vllm_stores_what_a_server_of_the_same_settings_saves(vllm_
     full = len(node_a.tokens) // BLOCK
     assert json.loads(run.stdout)["blocks_written"] == full
     assert _chunk_names(store) == node_a.chunks and len(node_a.chunks) == full
+
+
+def test_the_bench_driver_of_vllms_tier_gives_each_rounds_pool_back(vllm_python: Path, tmp_path: Path) -> None:
+    """``gdskv bench``'s vLLM peer keeps one process for the whole run: a round's pool left mapped
+    grew its shared memory by the round's bytes each round until the OOM killer ended it."""
+    probe = (
+        "import sys, tempfile\n"
+        f"sys.path.insert(0, {str(REPO / 'gdskv' / 'peers')!r})\n"
+        "from vllm_fs_driver import Driver\n"
+        "def shmem():\n"
+        "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssShmem'))\n"
+        "d = Driver()\n"
+        "for r in range(3):\n"
+        f"    with tempfile.TemporaryDirectory(dir={str(tmp_path)!r}) as t:\n"
+        "        d.prepare(t, 32, 1 << 20, r)\n"
+        "        d.save(); d.clear(); d.load(); d.check(); d.end_round()\n"
+        "        print(shmem())\n")
+    run = subprocess.run([str(vllm_python), "-c", probe], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    after = [int(line) for line in run.stdout.split()]
+    assert len(after) == 3 and max(after) < 32 * 1024, after  # kB: under half of one round's 64 MiB pool

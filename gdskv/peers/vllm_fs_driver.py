@@ -10,6 +10,7 @@ same buffer layout: ``[source pages | target pages]``.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import mmap
 import os
@@ -86,9 +87,20 @@ class Driver:
         return {"files": [self.tier.file_mapper.get_file_name(k) for k in self.keys]}
 
     def end_round(self) -> dict:
+        """The tier shut down and the round's pool given back: a pool left mapped (the tier's
+        view and ``arr`` pin it) added 2x the round's bytes of shared memory a round, until the
+        kernel's OOM killer ended the driver on a 24 GiB machine."""
         if self.tier is not None:
             self.tier.shutdown()
             self.tier = None
+        if getattr(self, "mem", None) is not None:
+            self.arr = None
+            gc.collect()  # the tier's threads and jobs hold the view in reference cycles
+            try:
+                self.mem.close()
+            except BufferError:  # a view still exported: unmapped once it is collected
+                pass
+            self.mem = None
         return {}
 
 
