@@ -28,6 +28,8 @@ class Driver:
 
         self.make_key, self.Job, self.Manager = make_offload_key, TransferJob, FileSystemTierManager
         self.tier = None
+        self.mem: mmap.mmap | None = None  # the round's pool, mapped by prepare, closed by end_round
+        self.arr = None
         self.job = 0
 
     def prepare(self, dir: str, pages: int, page_bytes: int, seed: int, threads: int = 16) -> dict:
@@ -93,7 +95,7 @@ class Driver:
         if self.tier is not None:
             self.tier.shutdown()
             self.tier = None
-        if getattr(self, "mem", None) is not None:
+        if self.mem is not None:
             self.arr = None
             gc.collect()  # the tier's threads and jobs hold the view in reference cycles
             try:
