@@ -687,9 +687,13 @@ def test_a_save_takes_only_free_tier_room_and_evicts_nothing_while_it_writes(tmp
     slots = svc.host.reserve_many([(0, 0, keys[3]), (0, 0, keys[4])], [PAGE, PAGE], evict=False)
     assert slots[0] is not None and slots[1] is None and len(svc.host) == 2
     svc.host.abort(slots[0])
-    assert svc.save(0, keys[3], keys[2], page(3)).result() is SaveStatus.PUBLISHED
-    svc.reap()
-    out = empty()
-    assert svc.load(0, keys[3], out).result() is LoadStatus.LOADED and same(out, page(3))
-    assert svc.snapshot()["host_hits"] == 1
+    assert svc.save(0, keys[3], keys[2], page(3)).result() is SaveStatus.PUBLISHED  # into the free room
+    assert svc.save(0, keys[4], keys[3], page(4)).result() is SaveStatus.PUBLISHED  # full: copied in when done
+    # The first three saves finished in any order, so the least recent of keys 1 and 2 is either.
+    assert (0, 0, keys[3]) in svc.host and (0, 0, keys[4]) in svc.host and len(svc.host) == 3
+    assert svc.snapshot()["host_evictions"] == 1
+    for i in (3, 4):
+        out = empty()
+        assert svc.load(0, keys[i], out).result() is LoadStatus.LOADED and same(out, page(i))
+    assert svc.snapshot()["host_hits"] == 2
     svc.close()
