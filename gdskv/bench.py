@@ -20,8 +20,9 @@ Subjects, all moving pages of the same size and count between a page pool and on
   CPU tensors, what engines hand over), ``hugepage`` (2 MiB-aligned host memory advised to use
   huge pages), ``pinned`` and ``cuda`` (where CUDA exists);
 - ``service:host-tier@<pool>``: the store as a serving process runs it, through ``KvService`` with
-  the default config (host tier on): saves write through into the tier, cold and warm loads read
-  the disk and fill the tier, and a hot load is served by the tier;
+  the default config (host tier on): saves write through into the tier, a cold load reads the
+  disk and fills the tier, the hot load after it is served by the tier, and a warm load is served
+  by the page cache (into host memory it leaves the tier alone);
 - ``peer:vllm-fs-tier`` and ``peer:lmcache-disk``: vLLM's file-system offload tier and LMCache's
   local-disk backend, each driven in its own virtualenv (``gdskv.peers``), left out with the
   reason where that cannot be had.
@@ -35,7 +36,8 @@ Each subject saves (timed until the bytes are durable: ``syncfs`` of the directo
 for every subject alike), loads cold (page cache of its files dropped with
 ``posix_fadvise(DONTNEED)``) and loads warm (its files read once through the page cache first:
 a subject that reads the cache when the bytes are there shows it). ``load_hot`` (a host-memory
-tier) is measured for subjects that have one (``supports_hot``: the service subject). Every timed
+tier, filled by the cold load) is measured right after the cold load for subjects that have one
+(``supports_hot``: the service subject), which forget those pages again before the warm load. Every timed
 load goes into cleared pages and is checked after. Subjects are
 interleaved within a round and the order rotates between rounds; each figure is the median over
 rounds, because disks drift by tens of percent from one run to the next (and more on a machine
@@ -106,7 +108,7 @@ class _Subject:
             raise RuntimeError(f"{self.name}: pages read back differ from the pages saved")
 
     def load_hot(self, pages: torch.Tensor) -> None:
-        """A load right after a load, served from host memory (``supports_hot`` subjects)."""
+        """A load right after the cold load, served from host memory (``supports_hot`` subjects)."""
         self.load(pages)
 
     def forget_hot(self) -> None:
@@ -323,9 +325,10 @@ class StoreSubject(_Subject):
 class ServiceSubject(_Subject):
     """The store as a serving process runs it: ``KvService`` (what every connector holds) with
     the default config (``o_direct = "all"``, the host tier on), one fresh service and store per
-    round. Saves are write-through into the host tier; the cold and the warm load read the disk
-    (the tier forgot the pages first), filling the tier's buffers in the pass that fills the
-    pages; the hot load is served by the tier. The tier's memory is touched in ``prepare``, as a serving
+    round. Saves are write-through into the host tier; the cold load reads the disk (the tier
+    forgot the pages first), filling the tier's buffers in the pass that fills the pages; the hot
+    load after it is served by the tier; the warm load (the tier forgot them again) is served by
+    the page cache, and into host memory fills nothing. The tier's memory is touched in ``prepare``, as a serving
     process's has been long before (first-touch faults are not any load's cost)."""
 
     supports_hot = True
@@ -557,16 +560,16 @@ def measure(subject: _Subject, source: torch.Tensor, target: torch.Tensor, base:
         subject.clear(target)
         secs["load_cold"] = _timed(lambda: subject.load(target))
         subject.check(source, target)
+        if hot:
+            subject.clear(target)
+            secs["load_hot"] = _timed(lambda: subject.load_hot(target))
+            subject.check(source, target)
         fill_page_cache(files)
         if hot:
             subject.forget_hot()
         subject.clear(target)
         secs["load_warm"] = _timed(lambda: subject.load(target))
         subject.check(source, target)
-        if hot:
-            subject.clear(target)
-            secs["load_hot"] = _timed(lambda: subject.load_hot(target))
-            subject.check(source, target)
         return secs
     finally:
         subject.end_round()

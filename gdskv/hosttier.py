@@ -2,7 +2,8 @@
 
 One ``HostTier`` per ``KvService`` (so per worker process), shared by all its requests. The service
 fills it with a page's bytes when a save of that page is published (write-through) and when a
-load of it from the disk verified (fill on load), and serves a later load of the same
+load of it from the disk verified (fill on load; a page in host memory that the page cache served
+is not copied again: ``keeps_page_cache_reads``), and serves a later load of the same
 ``(shard, layer group, block key)`` from it without touching the disk. The disk stays the source
 of truth: lookups ask the store, never the tier, and a restart loses nothing but warmth.
 
@@ -239,7 +240,8 @@ class HostTier:
 
     def settle_many(self, commits: Sequence["Reserved"], aborts: Sequence["Reserved"]) -> list[Put]:
         """``commit`` each of ``commits`` and ``abort`` each of ``aborts`` under one lock (a
-        slice of loads finished: ``KvService._loads_finished``); the commits' ``Put``s."""
+        slice of loads finished: ``KvService._loads_finished``); a ``Put`` each, the commits'
+        then the aborts' (not taken, with what their reservation evicted all the same)."""
         puts: list[Put] = []
         back: list[Reserved] = list(aborts)
         with self._lock:
@@ -251,6 +253,7 @@ class HostTier:
                     self._entries.move_to_end(slot.key)
                     back.append(slot)
                     puts.append(Put(False, slot.evicted, slot.evicted_bytes))
+            puts += [Put(False, slot.evicted, slot.evicted_bytes) for slot in aborts]
             self._used -= sum(slot.buf.numel() for slot in back)
         if back:
             self._memory.give_many([(slot.buf, slot.slab) for slot in back])
@@ -321,6 +324,18 @@ class Borrowed:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def keeps_page_cache_reads(segments: Sequence[torch.Tensor]) -> bool:
+    """Whether a load into these segments should fill the tier when the page cache served its
+    chunk. Not for pages in host memory: the kernel already keeps those bytes in host memory,
+    where a load copies them as fast as from the tier, so a second copy would only cost the load
+    another pass and halve what the machine keeps warm. Device pages are: the tier's pinned
+    buffers reach a device directly. Asked by ``KvService.load_many`` for each page it reads."""
+    for s in segments:
+        if not s.is_cpu:
+            return True
+    return False
 
 
 def payload_nbytes(segments: Sequence[torch.Tensor]) -> Optional[int]:

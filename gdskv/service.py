@@ -13,7 +13,7 @@ no policy of its own. The service owns:
   evicted between the presence check and the lease) is planned again;
 - **loads and saves** of pages (futures), of this process's own shard, through a **host tier**
   (``gdskv.hosttier``: ``host_bytes`` of verified pages in host memory, write-through on save,
-  filled on load) in front of the disk;
+  filled on loads that read the disk) in front of the disk;
 - **lineage**: block keys chained on their parents (``keys``), the parent recorded with each save;
   for an engine that names blocks itself, links learnt from the runs it shows (``lineage``);
 - **counters**: this process's outcomes (``counters``), and the store's per-process counter files
@@ -45,15 +45,15 @@ from typing import Any, Callable, Optional, Sequence
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import install_budget
 from gdskv.garbage import collect_in_background
-from gdskv.hosttier import (Borrowed, HostTier, Put, Reserved, TierConfigError, payload_nbytes, scatter,
-                             scatter_all, scatter_copies, scatter_many, tier_bytes)
+from gdskv.hosttier import (Borrowed, HostTier, Put, Reserved, TierConfigError, keeps_page_cache_reads,
+                             payload_nbytes, scatter, scatter_all, scatter_copies, scatter_many, tier_bytes)
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
 from gdskv.metrics import ServiceMetrics, attach, engine_of
 from gdskv.planner import Lookup, Salt, contiguous_hits, lookup_needs, plan_lookup, plan_lookup_window_aware
 from gdskv.remote import RemoteSetupError, RemoteTier
 from gdskv.store import Namespace, NamespaceSpec, PageStore, StoreError
-from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
+from gdskv.transfer import LoadStatus, LoadVia, PageTransfer, SaveStatus
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ that live in device memory, a step's hits per task (hits into plain host memory 
 the caller's thread, or for asynchronous loads natively: ``KvService._hits_native``)."""
 LINEAGE_CAPACITY = 1 << 16
 """How many ``block -> parent`` links ``KvService.lineage`` remembers."""
+DiskLoad = tuple[int, bytes, list[Any], Optional[Reserved], Optional[LoadVia]]
+"""A page ``load_many`` reads from the disk: its index in the step, key, segments, and the host
+tier's buffer reserved for it with the ``LoadVia`` that asks the transfer to fill it (or None)."""
 
 
 class ServiceSetupError(ValueError):
@@ -361,11 +364,11 @@ class KvService:
         t0 = time.perf_counter()
         nbytes = self.bytes_per_page(group)
         out: list[Optional[Future]] = [None] * len(items)
-        disk: list[tuple[int, bytes, list[Any], Optional[Reserved]]] = []
+        disk: list[DiskLoad] = []
         now: list[tuple[int, bytes, Borrowed, list[Any]]] = []
         pages = [(key, list(segments)) for key, segments in items]
         if self.host is None:
-            disk = [(i, key, segments, None) for i, (key, segments) in enumerate(pages)]
+            disk = [(i, key, segments, None, None) for i, (key, segments) in enumerate(pages)]
         else:
             sizes = [payload_nbytes(segments) for _, segments in pages]
             lents = self._borrow_many(rank, group, [key for key, _ in pages], sizes)
@@ -382,10 +385,12 @@ class KvService:
             self._hits_after(rank, after, ready, out, nbytes, t0)
             self._hits_after(rank, self._hits_native(rank, transfer, later, out, nbytes, t0), None, out, nbytes, t0)
             slots = self._reserve_many(rank, group, [pages[i][0] for i in misses], [sizes[i] for i in misses])
-            disk = [(i, pages[i][0], pages[i][1], slot) for i, slot in zip(misses, slots)]
+            disk = [(i, pages[i][0], pages[i][1], slot,
+                     None if slot is None else LoadVia(slot.buf, keeps_page_cache_reads(pages[i][1])))
+                    for i, slot in zip(misses, slots)]
         if now:
             for i, key, segments in self._hits_now(rank, now, out, nbytes, t0):
-                disk.append((i, key, segments, None))
+                disk.append((i, key, segments, None, None))
         if not disk:
             return out
         with self._lock:
@@ -395,10 +400,9 @@ class KvService:
         def finished(done: list[int], results: Optional[list[Any]], skipped: list[int]) -> None:
             self._loads_finished(rank, group, [disk[k] for k in done], results, [disk[k] for k in skipped], nbytes, t0)
 
-        futures = transfer.load_pages(group, [(key, segments, None if slot is None else slot.buf)
-                                              for _, key, segments, slot in disk], ready=ready, on_done=finished,
-                                              background=background)
-        for (i, _, _, _), fut in zip(disk, futures):
+        futures = transfer.load_pages(group, [(key, segments, via) for _, key, segments, _, via in disk],
+                                      ready=ready, on_done=finished, background=background)
+        for (i, *_), fut in zip(disk, futures):
             out[i] = fut
         return out
 
@@ -602,15 +606,17 @@ class KvService:
             log.warning("gdskv: no host-tier buffers for %d pages: %s", len(keys), e)
             return [None] * len(keys)
 
-    def _loads_finished(self, rank: int, group: int, done: list[tuple[int, bytes, list[Any], Optional[Reserved]]],
-                        results: Optional[list[Any]], skipped: list[tuple[int, bytes, list[Any], Optional[Reserved]]],
-                        nbytes: int, t0: float) -> None:
+    def _loads_finished(self, rank: int, group: int, done: list[DiskLoad], results: Optional[list[Any]],
+                        skipped: list[DiskLoad], nbytes: int, t0: float) -> None:
         """A slice of disk loads finished (``PageTransfer``'s ``on_done``, on its thread, before the
-        pages' futures resolve): its LOADED pages kept in the host tier (``_keep``); then the
-        slice is counted at once. ``results`` is None when the slice raised."""
+        pages' futures resolve): its LOADED pages kept in the host tier (``_keep``; a reserved
+        buffer only when the transfer copied the payload into it: not where the page cache served
+        a page in host memory, ``keeps_page_cache_reads``); then the slice is counted at once.
+        ``results`` is None when the slice raised."""
         oks = [results is not None and results[k] is LoadStatus.LOADED for k in range(len(done))]
-        puts = self._keep(rank, group, [(key, segments, slot, ok) for (_, key, segments, slot), ok in zip(done, oks)],
-                          [slot for *_, slot in skipped])
+        puts = self._keep(rank, group, [(key, segments, slot, ok and (via is None or via.copied))
+                                        for (_, key, segments, slot, via), ok in zip(done, oks)],
+                          [slot for _, _, _, slot, _ in skipped])
         loaded = sum(oks)
         finished = len(done) + len(skipped)
         self._observe("load", rank, finished, t0)
@@ -651,7 +657,8 @@ class KvService:
             elif ok and self.host is not None:
                 puts.append(self._fill(key=(rank, group, key), segments=segments))
         if commits or aborts:
-            puts += zip(self.host.settle_many(commits, aborts), (slot.buf.numel() for slot in commits))
+            sizes = [slot.buf.numel() for slot in commits] + [0] * len(aborts)
+            puts += zip(self.host.settle_many(commits, aborts), sizes)
         return puts
 
     def _observe(self, op: str, rank: int, pages: int, t0: float) -> None:
@@ -665,19 +672,20 @@ class KvService:
         """A finished slice's counts and its pages' host-tier puts (``(put, bytes)``), counted at
         once: the service's counters under one lock, the namespace's shared ones once per name."""
         taken = [(put, size) for put, size in puts if put.taken]
-        evicted = sum(put.evicted for put, _ in taken)
+        evicted = sum(put.evicted for put, _ in puts)
         if taken:
-            counts.update(host_fills=len(taken), host_fill_bytes=sum(size for _, size in taken), host_evictions=evicted,
-                          host_evicted_bytes=sum(put.evicted_bytes for put, _ in taken))
+            counts.update(host_fills=len(taken), host_fill_bytes=sum(size for _, size in taken))
+        if evicted:
+            counts.update(host_evictions=evicted, host_evicted_bytes=sum(put.evicted_bytes for put, _ in puts))
         with self._lock:
             self._inflight -= finished
             self._add(counts)
+        shared = self.namespaces[rank].counters
         if taken:
-            shared = self.namespaces[rank].counters
             shared.add("host_fills", len(taken))
-            if evicted:
-                shared.add("host_evictions", evicted)
-                shared.add("host_evicted_bytes", counts["host_evicted_bytes"])
+        if evicted:
+            shared.add("host_evictions", evicted)
+            shared.add("host_evicted_bytes", counts["host_evicted_bytes"])
 
     def _fill(self, key: tuple[int, int, bytes], segments: list[Any]) -> tuple[Put, int]:
         """Copy a page into the host tier (a save just published it; a load just verified it),

@@ -71,6 +71,21 @@ class LoadStatus(enum.Enum):
     CORRUPT = "corrupt"
 
 
+class LoadVia:
+    """A load's second destination (``load_pages``): ``buf``, a flat ``uint8`` host buffer of the
+    page's size (the host tier's, ``KvService.load_many``), gets the payload too. ``cached``:
+    also when the page cache serves the chunk; when False, the native path leaves ``buf`` alone
+    for such a chunk. ``copied`` is set before the batch's ``on_done`` runs: whether ``buf``
+    holds the payload of a LOADED page."""
+
+    __slots__ = ("buf", "cached", "copied")
+
+    def __init__(self, buf: torch.Tensor, cached: bool = True) -> None:
+        self.buf = buf
+        self.cached = cached
+        self.copied = False
+
+
 def page_segments(group_layout: Any, slot: int) -> list[torch.Tensor]:
     """The byte tensors of page slot ``slot`` of a layer group, region by region.
 
@@ -426,9 +441,9 @@ class PageTransfer:
                    on_done: Optional[DoneFn] = None, background: bool = False) -> list["Future[LoadStatus]"]:
         """``load_page`` for a step's pages at once (``(key, segments)`` each, one ``ready`` for
         all): one future per page, in order, with at most ``depth`` pages in flight (see
-        ``_batch``, and there for ``on_done``). An item ``(key, segments, via)`` names a flat
-        ``uint8`` host buffer of the page's size (the host tier's, ``KvService.load_many``) that
-        holds the payload too once the page is LOADED: on the native path each cache-sized step
+        ``_batch``, and there for ``on_done``). An item ``(key, segments, via)`` names a
+        ``LoadVia`` whose buffer holds the payload too once the page is LOADED (unless it asks
+        for disk reads only and the page cache served the chunk): on the native path each cache-sized step
         of the chunk, once read (into the staging buffer, or the page itself where aligned), is
         checksummed and copied into the page and into ``via`` while in cache, so keeping the
         page costs no second pass over it. (Reading straight into ``via`` instead measured
@@ -494,11 +509,12 @@ class PageTransfer:
         POSIX engine with the extension built and working; kvikio moves device memory itself)."""
         return self.engine.batches_chunks
 
-    def _load(self, group: int, key: bytes, segments: list[torch.Tensor], via: Optional[torch.Tensor] = None) -> LoadStatus:
+    def _load(self, group: int, key: bytes, segments: list[torch.Tensor], via: Optional[LoadVia] = None) -> LoadStatus:
         """One page on the per-page path; a LOADED page's payload is copied into ``via`` too."""
         status = self._load_page(group, key, segments)
         if status is LoadStatus.LOADED and via is not None:
-            gather(segments, via)
+            gather(segments, via.buf)
+            via.copied = True
         return status
 
     def _load_page(self, group: int, key: bytes, segments: list[torch.Tensor]) -> LoadStatus:
@@ -544,14 +560,14 @@ class PageTransfer:
         ns.counters.add("bytes_read", nbytes)
         return LoadStatus.LOADED
 
-    def _load_slice(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor], Optional[torch.Tensor]]],
+    def _load_slice(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor], Optional[LoadVia]]],
                     threads: int = 1) -> list[LoadStatus]:
         """``_load`` for a slice of pages through the native batch path (``_load_native``), its
         pages to stage read into ``SliceStaging`` first (``_through_staging``)."""
         staged = self._through_staging(group, jobs, threads, save=False)
         return staged if staged is not None else self._load_native(group, jobs, threads)
 
-    def _load_native(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor], Optional[torch.Tensor]]],
+    def _load_native(self, group: int, jobs: list[tuple[bytes, list[torch.Tensor], Optional[LoadVia]]],
                      threads: int = 1) -> list[LoadStatus]:
         """``_load`` for a slice of pages in host memory: one call opens, reads
         and checksums every chunk with the GIL released, on ``threads`` native threads (a page
@@ -575,7 +591,7 @@ class PageTransfer:
         self._maybe_flush()
         return out  # type: ignore[return-value]
 
-    def _prepare_reads(self, group: int, jobs: Sequence[tuple[bytes, list[torch.Tensor], Optional[torch.Tensor]]]
+    def _prepare_reads(self, group: int, jobs: Sequence[tuple[bytes, list[torch.Tensor], Optional[LoadVia]]]
                        ) -> tuple["_Reads", list[int]]:
         """The native read jobs of the pages the batch path can take (their chunks pinned against
         eviction until ``_settle_reads``), and the indices of those it cannot."""
@@ -591,11 +607,12 @@ class PageTransfer:
                 continue
             through = None
             nbytes = sum(n for _, n in pieces[:-1])
-            if via is not None and via.numel() * via.element_size() == nbytes:
-                through = [(via.data_ptr(), via.numel())]
+            if via is not None and via.buf.numel() == nbytes:
+                through = [(via.buf.data_ptr(), nbytes)]
             expect = None if self._auth_key is not None or len(key) not in (8, 32) else \
                 batchio.expectation(group, nbytes, ns.store_key(group, key), key)
-            reads.work.append((ns.chunk_relpath(group, key), pieces, through, expect))
+            reads.work.append((ns.chunk_relpath(group, key), pieces, through, expect,
+                               through is not None and not via.cached))
             reads.trailers.append(trailer)
             reads.sizes.append(nbytes)
             reads.native.append(i)
@@ -612,7 +629,7 @@ class PageTransfer:
             budget.unpin(path)
         reads.pinned = []
 
-    def _settle_reads(self, group: int, jobs: Sequence[tuple[bytes, list[torch.Tensor], Optional[torch.Tensor]]],
+    def _settle_reads(self, group: int, jobs: Sequence[tuple[bytes, list[torch.Tensor], Optional[LoadVia]]],
                       reads: "_Reads", results: Sequence[batchio.ReadResult], out: list[Optional[LoadStatus]]) -> list[int]:
         """After the native reads of ``_prepare_reads``: unpin their chunks, verify what the
         native side did not, set ``out[i]`` LOADED for each page that holds its KV now and count
@@ -630,7 +647,10 @@ class PageTransfer:
                 nbytes_loaded += nbytes
                 out[i] = LoadStatus.LOADED
                 if i in reads.copy_to_via:
-                    gather(segments, via)
+                    gather(segments, via.buf)
+                    via.copied = True
+                elif via is not None:
+                    via.copied = result.copied
             else:
                 failed.append(i)
         if loaded:

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from cache_helpers import drop_cached
 from gdskv.config import ConfigError, GdsKvConfig
-from gdskv.hosttier import (DEFAULT_HOST_BYTES, HostTier, gather, payload_nbytes, physical_memory, scatter, scatter_many,
-                             tier_bytes)
+from gdskv.hosttier import (DEFAULT_HOST_BYTES, HostTier, gather, keeps_page_cache_reads, payload_nbytes,
+                             physical_memory, scatter, scatter_many, tier_bytes)
 from gdskv.service import KvService, ServiceSetupError
 from gdskv.store import GroupSpec, NamespaceSpec
 from gdskv.transfer import LoadStatus, SaveStatus
@@ -68,10 +69,13 @@ def run_threads(target, n: int) -> None:
 
 
 def saved_elsewhere(tmp_path: Path, n: int) -> list[bytes]:
-    """Keys of the first ``n`` blocks of ``TOKENS``, saved by another service (no host tier)."""
+    """Keys of the first ``n`` blocks of ``TOKENS``, saved by another service (no host tier) and
+    no longer in the page cache, as after a restart: a load reads them from the disk."""
     writer = KvService(cfg_at(tmp_path, host_bytes=0), spec())
     keys = writer.keys(TOKENS)
     save_all(writer, keys[:n])
+    for key in keys[:n]:
+        drop_cached(Path(writer.namespace.chunk_path(0, key)))
     writer.close()
     return keys
 
@@ -208,7 +212,8 @@ def test_a_step_reserves_and_settles_its_pages_at_once():
     b_.buf.fill_(2)
     assert tier.put("b", b(100, 5)).taken  # another thread's copy of "b" landed first ("held" made room)
     puts = tier.settle_many([a, b_], [c])
-    assert [p.taken for p in puts] == [True, False]
+    assert [p.taken for p in puts] == [True, False, False]  # the commits', then the abort's
+    assert sum(p.evicted for p in puts) == 1  # "old", by one of the three reservations
     assert tier.used == 200 and "c" not in tier and "held" not in tier
     with tier.borrow("a", 100) as buf:
         assert int(buf.sum()) == 100
@@ -285,6 +290,37 @@ def test_a_page_loaded_from_disk_is_served_from_memory_next_time(tmp_path):
     svc.close()
 
 
+def test_a_page_cache_read_into_host_memory_leaves_the_tier_alone(tmp_path):
+    """A chunk the page cache holds, loaded into a page in host memory, is not copied into the
+    tier (the kernel keeps those bytes in host memory already; ``keeps_page_cache_reads``): the
+    page is right, the buffer reserved for it goes back, and what the reservation evicted is
+    counted. Once the page cache has dropped it, the next load reads the disk and fills the tier."""
+    keys = saved_elsewhere(tmp_path, 3)
+    svc = KvService(cfg_at(tmp_path, host_bytes=2 * PAGE), spec())
+    for i in (0, 1):  # read from the disk: kept
+        assert svc.load(0, keys[i], empty()).result() is LoadStatus.LOADED
+    assert len(svc.host) == 2 and svc.snapshot()["host_fills"] == 2
+    path = Path(svc.namespace.chunk_path(0, keys[2]))
+    path.read_bytes()
+    out = empty()
+    assert svc.load(0, keys[2], out).result() is LoadStatus.LOADED and same(out, page(2))
+    c = svc.snapshot()
+    assert (c["host_fills"], c["host_evictions"], len(svc.host), svc.host.used) == (2, 1, 1, PAGE)
+    assert (0, 0, keys[2]) not in svc.host
+    drop_cached(path)
+    assert svc.load(0, keys[2], empty()).result() is LoadStatus.LOADED
+    assert (0, 0, keys[2]) in svc.host and svc.snapshot()["host_fills"] == 3
+    out = empty()
+    assert svc.load(0, keys[2], out).result() is LoadStatus.LOADED and same(out, page(2))
+    assert svc.snapshot()["host_hits"] == 1
+    svc.close()
+
+
+def test_only_pages_outside_host_memory_keep_what_the_page_cache_served():
+    assert not keeps_page_cache_reads([torch.empty(8, dtype=torch.uint8)])
+    assert keeps_page_cache_reads([torch.empty(8, dtype=torch.uint8), torch.empty(8, dtype=torch.uint8, device="meta")])
+
+
 def test_a_cold_load_fills_its_tier_buffer_and_is_counted_once(tmp_path):
     """With the tier on, a page read from disk fills the buffer the tier keeps it in, in the pass
     that fills the page slot: the entry holds exactly the page, it is one fill, and a corrupt
@@ -326,6 +362,7 @@ def test_the_tier_is_bounded_by_bytes_and_counts_its_evictions(tmp_path):
     c = svc.snapshot()
     assert (c["host_fills"], c["host_evictions"], c["host_evicted_bytes"]) == (5, 2, 2 * PAGE)
     out = empty()
+    drop_cached(Path(svc.namespace.chunk_path(0, keys[0])))
     assert svc.load(0, keys[0], out).result() is LoadStatus.LOADED and same(out, page(0))  # from disk
     assert svc.load(0, keys[4], empty()).result() is LoadStatus.LOADED  # from memory
     c = svc.snapshot()

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from cache_helpers import drop_cached
 from gdskv.io import batch as batchio
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
-from gdskv.transfer import NATIVE_CALLERS, LoadStatus, PageTransfer, SaveStatus
+from gdskv.transfer import NATIVE_CALLERS, LoadStatus, LoadVia, PageTransfer, SaveStatus
 
 KEYS = chain_keys(list(range(16 * 24)), 16, "batch")
 PAGE = 8192 + 100
@@ -304,7 +305,7 @@ def test_a_load_through_a_via_buffer_fills_it_and_the_page_with_the_same_verifie
     vias = torch.frombuffer(aligned_host_buffer(8 * PAGE), dtype=torch.uint8).view(8, PAGE)
     vias.fill_(0xAA)
     halves = [(torch.zeros(PAGE // 2, dtype=torch.uint8), torch.zeros(PAGE - PAGE // 2, dtype=torch.uint8)) for _ in range(8)]
-    got = [f.result() for f in x.load_pages(0, [(KEYS[i], list(halves[i]), vias[i]) for i in range(8)])]
+    got = [f.result() for f in x.load_pages(0, [(KEYS[i], list(halves[i]), LoadVia(vias[i])) for i in range(8)])]
     assert got == [LoadStatus.LOADED] * 7 + [LoadStatus.CORRUPT]
     for i in range(7):
         assert torch.equal(vias[i], src[i]) and torch.equal(torch.cat(halves[i]), src[i])
@@ -315,9 +316,33 @@ def test_a_load_through_a_via_buffer_fills_it_and_the_page_with_the_same_verifie
     odd = torch.frombuffer(aligned_host_buffer(7 * PAGE + 3), dtype=torch.uint8)[3:].view(7, PAGE)
     odd.fill_(0x55)
     pages = torch.zeros(7, PAGE, dtype=torch.uint8)
-    got = [f.result() for f in x.load_pages(0, [(KEYS[i], [pages[i]], odd[i]) for i in range(7)])]
+    got = [f.result() for f in x.load_pages(0, [(KEYS[i], [pages[i]], LoadVia(odd[i])) for i in range(7)])]
     assert got == [LoadStatus.LOADED] * 7
     assert torch.equal(odd, src[:7]) and torch.equal(pages, src[:7])
+    x.close()
+
+
+def test_a_via_for_disk_reads_only_is_left_alone_where_the_page_cache_serves_the_chunk(store_path):
+    """``LoadVia(buf, cached=False)`` on the native path: a chunk the page cache holds fills the
+    page and not ``buf`` (``copied`` False); one read from the disk fills both (``copied`` True);
+    ``cached=True`` fills ``buf`` either way."""
+    if not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    x = make(store_path)
+    src = pool(3, 8)
+    assert [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(3)])] == [SaveStatus.PUBLISHED] * 3
+    paths = [Path(x.ns.chunk_path(0, KEYS[i])) for i in range(3)]
+    for i, path in enumerate(paths):
+        drop_cached(path)
+        if i != 1:  # chunk 1 only is read from the disk
+            path.read_bytes()
+    vias = [LoadVia(torch.full((PAGE,), 0xAA, dtype=torch.uint8), cached=i == 2) for i in range(3)]
+    pages = torch.zeros(3, PAGE, dtype=torch.uint8)
+    got = [f.result() for f in x.load_pages(0, [(KEYS[i], [pages[i]], vias[i]) for i in range(3)])]
+    assert got == [LoadStatus.LOADED] * 3 and torch.equal(pages, src)
+    assert [v.copied for v in vias] == [False, True, True]
+    assert bool((vias[0].buf == 0xAA).all())
+    assert torch.equal(vias[1].buf, src[1]) and torch.equal(vias[2].buf, src[2])
     x.close()
 
 
@@ -421,7 +446,7 @@ def test_a_chunk_read_from_the_page_cache_a_step_at_a_time_is_whole_and_verified
     vias = torch.full((4, big), 0xAA, dtype=torch.uint8)
     bounds = [0, *torch.tensor(cuts).cumsum(0).tolist(), big]
     segments = [[pages[i][a:b] for a, b in zip(bounds, bounds[1:])] for i in range(4)]
-    got = [f.result() for f in x.load_pages(0, [(KEYS[i], segments[i], vias[i]) for i in range(4)])]
+    got = [f.result() for f in x.load_pages(0, [(KEYS[i], segments[i], LoadVia(vias[i])) for i in range(4)])]
     assert got == [LoadStatus.LOADED] * 3 + [LoadStatus.CORRUPT]
     for i in range(3):
         assert torch.equal(pages[i], src[i]) and torch.equal(vias[i], src[i])
@@ -482,22 +507,13 @@ def test_pages_at_an_address_the_file_systems_direct_io_takes_move_in_place_not_
             dst = arena[start + 2 * page + offset:start + 2 * page + offset + page]
             dst.zero_()
             back = torch.zeros(trailer, dtype=torch.uint8)
-            _drop(root / "d" / name)
+            drop_cached(root / "d" / name)
             staging.fill_(0xEE)
             res = batchio.read_chunks(fd, [(f"d/{name}", [(dst.data_ptr(), page), (back.data_ptr(), trailer)])],
                                       True, 1, (staging.data_ptr(), need))
             assert res[0].err == 0
             assert torch.equal(dst, payload) and torch.equal(back, tail)
             assert bool((staging[4096:] == 0xEE).all()) == in_place, f"+{offset}: read staged {not in_place} expected"
-    finally:
-        os.close(fd)
-
-
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 

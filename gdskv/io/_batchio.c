@@ -12,13 +12,14 @@
  * touches nothing else; the caller redoes it on the Python path, which sorts the failure out
  * (missing, refused, corrupt, disk full) with its counters and log lines.
  *
- * read_chunks(root_fd, jobs, crc_fn, direct, threads) -> list[(err, crc, verified)]
- *   jobs: [(relpath: bytes, pieces: [(address, length), ...][, outs[, expect]]), ...]; the
+ * read_chunks(root_fd, jobs, crc_fn, direct, threads) -> list[(err, crc, verified, copied)]
+ *   jobs: [(relpath: bytes, pieces: [(address, length), ...][, outs[, expect[, outs_cold]]]), ...]; the
  *   pieces lie end to end in the file from offset 0 and the last one is the chunk's trailer.
  *   err 0: every byte read, crc = CRC32C of all pieces but the last (crc_fn: the address
  *   gdskv.format.crc32c_address gives, gdskv._crc32c's kernel or google-crc32c's
  *   crc32c_extend). outs (optional, None, or the payload's length in all): where the payload
- *   is copied too once read (the host tier's buffer for the page). expect (optional):
+ *   is copied too once read (the host tier's buffer for the page); with outs_cold true, only
+ *   when the chunk is not mostly in the page cache (copied 1 when it was copied). expect (optional):
  *   what the trailer must say (see trailer_ok); verified 1 when it does, so the caller's Python
  *   checks only the chunks that fail here. The payload is walked once, in cache-sized steps,
  *   each checksummed and then copied (out of staging, into outs) while in cache; a chunk mostly
@@ -68,7 +69,7 @@
  * Completions(): reads and writes that finish without anyone waiting (saves, and asynchronous
  *   loads, which no forward pass waits for). q.read_later(root_fd, jobs, crc_fn, direct, threads, staging, staging_len,
  *   nice, tag) starts read_chunks' work on threads of its own (their nice value raised by
- *   `nice`) and returns at once; q.collect() hands back [(tag, [(err, crc, verified), ...]), ...]
+ *   `nice`) and returns at once; q.collect() hands back [(tag, [(err, crc, verified, copied), ...]), ...]
  *   for every call finished since, without waiting. The serving loop collects between its
  *   steps, so no Python thread needs the interpreter while pages move: a Python thread woken by
  *   every completion took the GIL from the serving thread at each one (and, niced, made it wait
@@ -134,6 +135,8 @@ typedef struct {
     int expect_len;   /* read: 0, or the bytes of expect (what the trailer must say) */
     unsigned char expect[EXPECT_MAX];
     int verified;     /* read: the trailer says exactly what expect asks, and the payload's CRC */
+    int outs_cold;    /* read: copy into outs only when the chunk is not served by the page cache */
+    int copied;       /* read: the payload was copied into outs */
     int seal;         /* write: the last piece is a trailer whose checksums are filled in here (seal()) */
 } job_t;
 
@@ -425,6 +428,7 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
     if (j->err == 0) {
         size_t want = total_len(j->pieces, j->npieces);
         int warm = cached(fd, want);
+        if (warm && j->outs_cold) j->nouts = 0;
         if (warm) {
             j->err = read_buffered(fd, j, crc);
         } else {
@@ -438,6 +442,7 @@ static void read_one(int root, job_t *j, crc_fn_t crc, int direct, char *staging
         }
         if (j->err == 0) {
             if (j->expect_len) j->verified = trailer_ok(j, crc, j->crc);
+            j->copied = j->nouts > 0;
             /* recency: the mtime; the atime is left alone, it may hold a lookup's lease */
             struct timespec now[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
             futimens(fd, now);
@@ -838,7 +843,7 @@ static job_t *parse_jobs(PyObject *list, Py_ssize_t *count, int writes) {
         PyObject *t = PySequence_Fast_GET_ITEM(fast, i);
         PyObject *path, *tmp = NULL, *name = NULL, *pieces, *outs = NULL, *expect = NULL;
         int ok = writes ? PyArg_ParseTuple(t, "SSSO|pO", &path, &tmp, &name, &pieces, &jobs[i].seal, &outs)
-                        : PyArg_ParseTuple(t, "SO|OO", &path, &pieces, &outs, &expect);
+                        : PyArg_ParseTuple(t, "SO|OOp", &path, &pieces, &outs, &expect, &jobs[i].outs_cold);
         if (!ok || !(jobs[i].path = copy_bytes(path)) || (writes && (!(jobs[i].tmp = copy_bytes(tmp)) ||
             !(jobs[i].name = copy_bytes(name)))) || parse_pieces(pieces, jobs[i].pieces, &jobs[i].npieces) < 0 ||
             (outs && outs != Py_None && parse_outs(outs, &jobs[i]) < 0) ||
@@ -879,7 +884,7 @@ static PyObject *read_chunks(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *r = Py_BuildValue("(iIi)", jobs[i].err, jobs[i].crc, jobs[i].verified);
+        PyObject *r = Py_BuildValue("(iIii)", jobs[i].err, jobs[i].crc, jobs[i].verified, jobs[i].copied);
         if (!r) {
             Py_CLEAR(out);
             break;
@@ -1409,7 +1414,7 @@ static PyObject *completions_collect(PyObject *self, PyObject *noargs) {
         PyObject *results = !out ? NULL : l->is_copy ? Py_NewRef(Py_None) : PyList_New(l->b.n);
         for (Py_ssize_t i = 0; results && !l->is_copy && i < l->b.n; i++) {
             job_t *j = &l->b.jobs[i];
-            PyObject *r = l->b.writes ? PyLong_FromLong(j->err) : Py_BuildValue("(iIi)", j->err, j->crc, j->verified);
+            PyObject *r = l->b.writes ? PyLong_FromLong(j->err) : Py_BuildValue("(iIii)", j->err, j->crc, j->verified, j->copied);
             if (!r) Py_CLEAR(results);
             else PyList_SET_ITEM(results, i, r);
         }

@@ -42,12 +42,15 @@ Piece = tuple[int, int]
 class ReadResult(NamedTuple):
     """``err``: 0 when every byte was read, else an errno, ``ERR_SHORT`` or ``ERR_NOT_REGULAR``;
     ``crc``: CRC32C of every piece but the last (the trailer), valid when ``err`` is 0;
-    ``verified``: the job had an ``expect`` and the trailer says exactly that, with ``crc``. A
-    tuple rather than a dataclass: one per page, made on the transfer threads' GIL time."""
+    ``verified``: the job had an ``expect`` and the trailer says exactly that, with ``crc``;
+    ``copied``: the payload was copied into the job's ``outs`` (not when it had none, or had
+    ``outs_cold`` and the page cache served the chunk). A tuple rather than a dataclass: one per
+    page, made on the transfer threads' GIL time."""
 
     err: int
     crc: int
     verified: bool = False
+    copied: bool = False
 
 
 def available() -> bool:
@@ -75,14 +78,15 @@ def chunk_sizes(jobs: Sequence[tuple], pieces_at: int) -> list[int]:
 def read_chunks(root_fd: int, jobs: Sequence[tuple], direct: bool, threads: int = 1,
                 staging: Piece = (0, 0)) -> list[ReadResult]:
     """Read each job's chunk (``(rel, pieces)``, ``rel`` its path from the store root, or
-    ``(rel, pieces, outs[, expect])``) into its pieces and checksum the payload, on ``threads``
-    native threads; ``outs`` (or None), pieces of the payload's length in all, get a copy of the
-    payload (made step by step right after each step is checksummed, while in cache);
+    ``(rel, pieces, outs[, expect[, outs_cold]]])``) into its pieces and checksum the payload, on
+    ``threads`` native threads; ``outs`` (or None), pieces of the payload's length in all, get a
+    copy of the payload (made step by step right after each step is checksummed, while in cache;
+    with ``outs_cold`` only when the chunk is not mostly in the page cache: ``ReadResult.copied``);
     ``expect`` (``expectation``) has the trailer verified there too (``ReadResult.verified``).
     ``direct``: chunks not mostly in the page cache are read with O_DIRECT (aligned pieces in
     place, the rest staged in ``staging``, ``(address, length)`` of ``staging_need`` aligned
     bytes, huge-page backed where possible). Called by ``PosixEngine``."""
-    out = [ReadResult(err, crc, verified == 1) for err, crc, verified in
+    out = [ReadResult(err, crc, verified == 1, copied == 1) for err, crc, verified, copied in
            _batchio.read_chunks(root_fd, [(job[0].encode(), *job[1:]) for job in jobs], _CRC, direct, threads,
                                 *staging)]
     _note([r.err for r in out])
@@ -133,7 +137,7 @@ def collect(queue: Any) -> list[tuple[Any, Optional[list]]]:
             out.append((tag, None))
             continue
         if results and type(results[0]) is tuple:
-            results = [ReadResult(err, crc, verified == 1) for err, crc, verified in results]
+            results = [ReadResult(err, crc, verified == 1, copied == 1) for err, crc, verified, copied in results]
             _note([r.err for r in results])
         else:
             _note(results)
