@@ -48,6 +48,14 @@ space, LMCache's local CPU backend: 4-5 GB): the KV of ~32k tokens of an 8B mode
 to keep the hot system prompts and shared documents of a worker from the disk."""
 
 
+SAVE_EVICT_SHARE = 0.25
+"""The share of the tier's budget that saves in flight may hold by evicting entries (a full
+tier's steady state): within it a save's page is copied into its buffer in the native pass that
+seals it; beyond it a save takes only free room, and a page without a buffer is copied in on the
+reaping thread when done. So a large batch of saves never empties the tier of what loads are
+served from while it writes."""
+
+
 class TierConfigError(ValueError):
     """``host_bytes`` cannot be served on this machine; the message names the setting."""
 
@@ -109,6 +117,8 @@ class HostTier:
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._used = 0
+        self._saving = 0
+        """Bytes reserved by saves in flight (``reserve_many(saving=True)``), until settled."""
         self._memory = SlabPool(capacity, self.pinned)
         """Where entries' buffers come from and go back to (at most one slab beyond the budget)."""
         self._lock = threading.Lock()
@@ -203,21 +213,25 @@ class HostTier:
         return self.reserve_many([key], [nbytes])[0]
 
     def reserve_many(self, keys: Sequence[Hashable], sizes: Sequence[Optional[int]],
-                     evict: bool = True) -> list[Optional["Reserved"]]:
+                     saving: bool = False) -> list[Optional["Reserved"]]:
         """``reserve`` for a step's pages read from the disk at once (a size None or 0 gets
         None): room made and counted under one lock, buffers taken in one pass
         (``SlabPool.take_many``). Called by ``KvService.load_many``, and by ``save_many`` with
-        ``evict=False``: a save only takes room the tier has free (a page that gets none is
-        copied in when its save is done), so a write in flight never pushes out entries."""
+        ``saving=True``: a save takes free room, and evicts for room only while the saves in
+        flight hold at most ``SAVE_EVICT_SHARE`` of the budget (a page that gets none is copied
+        in when its save is done)."""
         out: list[Optional[Reserved]] = [None] * len(keys)
         want: list[tuple[int, Hashable, int, int, int]] = []
+        may_evict = self.capacity * SAVE_EVICT_SHARE
         with self._lock:
             for i, (key, nbytes) in enumerate(zip(keys, sizes)):
                 if key in self._entries:
                     self._entries.move_to_end(key)
-                elif nbytes and 0 < nbytes <= self.capacity and (evict or self._used + nbytes <= self.capacity):
+                elif nbytes and 0 < nbytes <= self.capacity and (
+                        not saving or self._used + nbytes <= self.capacity or self._saving + nbytes <= may_evict):
                     pages, freed = self._evict_until(self.capacity - nbytes)
                     self._used += nbytes
+                    self._saving += nbytes if saving else 0
                     want.append((i, key, nbytes, pages, freed))
         if not want:
             return out
@@ -226,16 +240,18 @@ class HostTier:
         except BaseException:
             with self._lock:
                 self._used -= sum(nbytes for _, _, nbytes, _, _ in want)
+                self._saving -= sum(nbytes for _, _, nbytes, _, _ in want) if saving else 0
             raise
         unused = 0
         for (i, key, nbytes, pages, freed), taken in zip(want, got):
             if taken is None:
                 unused += nbytes
             else:
-                out[i] = Reserved(key, taken[0], taken[1], pages, freed)
+                out[i] = Reserved(key, taken[0], taken[1], pages, freed, saving)
         if unused:
             with self._lock:
                 self._used -= unused
+                self._saving -= unused if saving else 0
         return out
 
     def settle_many(self, commits: Sequence["Reserved"], aborts: Sequence["Reserved"]) -> list[Put]:
@@ -255,6 +271,7 @@ class HostTier:
                     puts.append(Put(False, slot.evicted, slot.evicted_bytes))
             puts += [Put(False, slot.evicted, slot.evicted_bytes) for slot in aborts]
             self._used -= sum(slot.buf.numel() for slot in back)
+            self._saving -= sum(slot.buf.numel() for slot in (*commits, *aborts) if slot.saving)
         if back:
             self._memory.give_many([(slot.buf, slot.slab) for slot in back])
         return puts
@@ -281,7 +298,7 @@ class HostTier:
         with self._lock:
             self._entries.clear()
             self._memory.clear()
-            self._used = 0
+            self._used = self._saving = 0
 
     def _evict_until(self, limit: int) -> tuple[int, int]:
         """Drop least recent entries until ``used <= limit``; under the lock."""
@@ -303,6 +320,8 @@ class Reserved(NamedTuple):
     slab: Any
     evicted: int
     evicted_bytes: int
+    saving: bool = False
+    """Reserved by a save (counted against ``SAVE_EVICT_SHARE`` until settled)."""
 
 
 class Borrowed:

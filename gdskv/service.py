@@ -440,13 +440,14 @@ class KvService:
         pages = [(key, parent, list(segments)) for key, parent, segments in items]
         t0 = time.perf_counter()
         nbytes = self.bytes_per_page(group)
-        # A save's tier slot, filled by the transfer in the pass that seals the page, comes only
-        # from free room: one that evicted for a write in flight left loads under contention
-        # without their entries. A PUBLISHED page without a slot is copied in when done (``_keep``).
+        # A save's tier slot, filled by the transfer in the pass that seals the page, evicts
+        # entries only within the share of the tier that saves in flight may hold: beyond it, a
+        # batch of writes would push out what loads are served from before a page of it is done.
+        # A PUBLISHED page without a slot is copied in when done (``_keep``).
         slots: list[Optional[Reserved]] = [None] * len(pages)
         if self.host is not None:
             slots = self._reserve_many(rank, group, [key for key, _, _ in pages],
-                                       [payload_nbytes(segments) for _, _, segments in pages], evict=False)
+                                       [payload_nbytes(segments) for _, _, segments in pages], saving=True)
         entries = [(*page, slot) for page, slot in zip(pages, slots)]
         with self._lock:
             self._inflight += len(pages)
@@ -594,14 +595,14 @@ class KvService:
         self._observe("load", rank, k, t0)
 
     def _reserve_many(self, rank: int, group: int, keys: list[bytes], sizes: list[Optional[int]],
-                      evict: bool = True) -> list[Optional[Reserved]]:
+                      saving: bool = False) -> list[Optional[Reserved]]:
         """Host-tier buffers for a step's pages about to be read from the disk or saved (the
         transfer copies each payload there in the pass that copies it into the page, or seals it:
         ``PageTransfer.load_pages`` / ``save_pages``); a None where the tier holds the page
-        already, it does not fit (without evicting, for ``evict=False``: saves), or its segments
+        already, it does not fit (for saves: ``HostTier.reserve_many``'s ``saving``), or its segments
         cannot be copied in place (size None)."""
         try:
-            return self.host.reserve_many([(rank, group, key) for key in keys], sizes, evict)
+            return self.host.reserve_many([(rank, group, key) for key in keys], sizes, saving)
         except Exception as e:  # never into the serving loop: the pages are only not kept
             log.warning("gdskv: no host-tier buffers for %d pages: %s", len(keys), e)
             return [None] * len(keys)

@@ -14,7 +14,7 @@ import torch
 
 from cache_helpers import drop_cached
 from gdskv.config import ConfigError, GdsKvConfig
-from gdskv.hosttier import (DEFAULT_HOST_BYTES, HostTier, gather, keeps_page_cache_reads, payload_nbytes,
+from gdskv.hosttier import (DEFAULT_HOST_BYTES, SAVE_EVICT_SHARE, HostTier, gather, keeps_page_cache_reads, payload_nbytes,
                              physical_memory, scatter, scatter_many, tier_bytes)
 from gdskv.service import KvService, ServiceSetupError
 from gdskv.store import GroupSpec, NamespaceSpec
@@ -224,6 +224,29 @@ def test_a_step_reserves_and_settles_its_pages_at_once():
     assert tier.used == 400
     tier.settle_many([], again)
     assert tier.used == 200
+
+
+def test_saves_in_flight_evict_only_within_their_share_of_the_tier():
+    """A full tier: saves take buffers by eviction only while saves in flight hold at most
+    ``SAVE_EVICT_SHARE`` of the budget (so a large batch of writes cannot empty the tier before a
+    page of it is done); loads are not limited; settling gives the share back."""
+    tier = HostTier(800, pinned=False)
+    for i in range(8):
+        assert tier.put(("old", i), b(100, i)).taken
+    assert SAVE_EVICT_SHARE * 800 == 200
+    slots = tier.reserve_many(["s1", "s2", "s3"], [100, 100, 100], saving=True)
+    assert [s is not None for s in slots] == [True, True, False]
+    assert len(tier) == 6 and ("old", 0) not in tier and ("old", 2) in tier
+    assert [s.evicted for s in slots[:2]] == [1, 1] and all(s.saving for s in slots[:2])
+    load = tier.reserve_many(["l"], [100])  # a load is not held to the saves' share
+    assert load[0] is not None and not load[0].saving and len(tier) == 5
+    slots[0].buf.fill_(7)
+    puts = tier.settle_many([slots[0]], [slots[1], load[0]])
+    assert [p.taken for p in puts] == [True, False, False] and "s1" in tier
+    again = tier.reserve_many(["s3", "s4", "s5"], [100, 100, 100], saving=True)  # the share is free again
+    assert [s is not None for s in again] == [True, True, False]
+    tier.settle_many([], again[:2])
+    assert tier.used == 600 and tier.reserve_many(["s6", "s7"], [100, 100], saving=True)[1] is not None
 
 
 def test_a_commit_that_lost_a_race_gives_its_buffer_back():
@@ -711,17 +734,46 @@ def test_a_save_fills_its_tier_buffer_in_the_pass_that_seals_it_not_on_the_servi
     svc.close()
 
 
+def test_saves_into_a_full_tier_fill_their_buffers_in_the_writing_pass_within_their_share(tmp_path, monkeypatch):
+    """The steady state of a serving process: the tier is full. A step's saves within the saves'
+    share of the tier evict for their buffers and are filled in the native pass that writes them;
+    only the rest are copied in on the serving thread when done. All are served back as hits."""
+    from gdskv.io import batch as batchio
+
+    if not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    svc = KvService(cfg_at(tmp_path, host_bytes=8 * PAGE), spec())
+    keys = svc.keys(list(range(500, 500 + 12 * TPB + 1)))
+    save_all(svc, keys[:8])
+    assert len(svc.host) == 8 and svc.host.used == 8 * PAGE
+    copied: list[bytes] = []
+    real = svc._fill
+    monkeypatch.setattr(svc, "_fill", lambda key, segments: (copied.append(key[2]), real(key=key, segments=segments))[1])
+    futures = svc.save_many(0, [(keys[i], keys[i - 1], page(i)) for i in range(8, 12)])
+    svc.reap()
+    assert [f.result() for f in futures] == [SaveStatus.PUBLISHED] * 4
+    assert sorted(copied) == sorted(keys[10:12]), "pages within the saves' share were copied on the serving thread"
+    assert all((0, 0, k) in svc.host for k in keys[8:12]) and len(svc.host) == 8
+    assert svc.snapshot()["host_evictions"] == 4
+    for i in range(8, 12):
+        out = empty()
+        assert svc.load(0, keys[i], out).result() is LoadStatus.LOADED and same(out, page(i))
+    assert svc.snapshot()["host_hits"] == 4
+    svc.close()
+
+
 def test_a_save_takes_only_free_tier_room_and_evicts_nothing_while_it_writes(tmp_path):
-    """A full tier: a save gets no buffer up front (its write must not push entries out while in
-    flight); the page is copied in when the save is done, evicting then, and served back."""
+    """A full tier smaller than a page over the saves' share: a save gets no buffer up front (its
+    write must not push entries out while in flight); the page is copied in when the save is
+    done, evicting then, and served back."""
     svc = KvService(cfg_at(tmp_path, host_bytes=3 * PAGE), spec())
     keys = svc.keys(TOKENS)
     save_all(svc, keys[:3])
     assert len(svc.host) == 3 and svc.host.used == 3 * PAGE
-    slots = svc.host.reserve_many([(0, 0, keys[3]), (0, 0, keys[4])], [PAGE, PAGE], evict=False)
+    slots = svc.host.reserve_many([(0, 0, keys[3]), (0, 0, keys[4])], [PAGE, PAGE], saving=True)
     assert slots == [None, None] and len(svc.host) == 3 and svc.snapshot().get("host_evictions", 0) == 0
     svc.host.discard((0, 0, keys[0]))
-    slots = svc.host.reserve_many([(0, 0, keys[3]), (0, 0, keys[4])], [PAGE, PAGE], evict=False)
+    slots = svc.host.reserve_many([(0, 0, keys[3]), (0, 0, keys[4])], [PAGE, PAGE], saving=True)
     assert slots[0] is not None and slots[1] is None and len(svc.host) == 2
     svc.host.abort(slots[0])
     assert svc.save(0, keys[3], keys[2], page(3)).result() is SaveStatus.PUBLISHED  # into the free room
