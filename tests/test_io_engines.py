@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cache_helpers import drop_cached
 from gdskv.io.base import IoEngine, Segment, ShortReadError
 from gdskv.io.capabilities import cuda_driver_present, gds_available, kvikio_available
 from gdskv.io import posix
@@ -329,14 +330,6 @@ def _resident_pages(path: str) -> int:
     return sum(b & 1 for b in vec)
 
 
-def _drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("aligned", [True, False], ids=["huge-page-pool", "torch-tensor"])
 def test_cold_chunks_are_read_direct_and_cached_ones_from_the_cache(tmp_path: Path, aligned: bool) -> None:
     """With direct reads, a chunk not in the page cache is read with O_DIRECT (it stays out of the
@@ -349,9 +342,7 @@ def test_cold_chunks_are_read_direct_and_cached_ones_from_the_cache(tmp_path: Pa
     buffered, direct = PosixEngine(threads=1), PosixEngine(threads=1, o_direct=True)
     try:
         buffered.write_now(path, [Segment(0, page), Segment(nbytes, trailer)])
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        _drop_cache(path)
+        drop_cached(path)
         if _resident_pages(path):
             pytest.skip("this file system keeps the file's pages cached after POSIX_FADV_DONTNEED")
 
@@ -430,7 +421,7 @@ def test_direct_read_of_a_truncated_chunk_is_a_short_read(tmp_path: Path) -> Non
     try:
         engine.write_now(path, [Segment(0, _aligned_tensor(nbytes)), Segment(nbytes, os.urandom(128))])
         os.truncate(path, nbytes + 100)
-        _drop_cache(path)
+        drop_cached(path)
         with pytest.raises(ShortReadError):
             engine.read_now(path, [Segment(0, _aligned_tensor(nbytes)), Segment(nbytes, bytearray(128))])
     finally:
@@ -453,9 +444,7 @@ def test_kvikio_follows_the_o_direct_setting(driver: str, tmp_path: Path) -> Non
         engine = make_engine(GdsKvConfig(store_path=str(tmp_path), engine="kvikio", o_direct="all"))
         assert kvikio.defaults.get("auto_direct_io_read") and kvikio.defaults.get("auto_direct_io_write")
         engine.write_now(path, [Segment(0, page), Segment(nbytes, os.urandom(128))])
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        _drop_cache(path)
+        drop_cached(path)
         if _resident_pages(path):
             pytest.skip("this file system keeps the file's pages cached after POSIX_FADV_DONTNEED")
         back = _aligned_tensor(nbytes)

@@ -296,9 +296,7 @@ def test_a_load_through_a_via_buffer_fills_it_and_the_page_with_the_same_verifie
     src = pool(8, 5)
     assert [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(8)])] == [SaveStatus.PUBLISHED] * 8
     for i in range(8):  # cold: the O_DIRECT read applies on the native path
-        fd = os.open(x.ns.chunk_path(0, KEYS[i]), os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
+        drop_cached(x.ns.chunk_path(0, KEYS[i]))
     raw = bytearray(Path(x.ns.chunk_path(0, KEYS[7])).read_bytes())
     raw[10] ^= 0x40
     Path(x.ns.chunk_path(0, KEYS[7])).write_bytes(bytes(raw))
