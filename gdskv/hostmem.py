@@ -72,11 +72,35 @@ class SlabPool:
                 return slab.unused.pop(), slab
         return None
 
+    def _take_unused_run(self, nbytes: int, at: list[int], out: list) -> None:
+        """Held slabs' unused buffers of ``nbytes`` into ``out[k]`` for each ``k`` of ``at``, as
+        far as they go, in the order ``_take_unused`` would give them; under the lock."""
+        done = 0
+        for slab in self._slabs:
+            if done == len(at):
+                return
+            unused = slab.unused
+            if not unused or unused[-1].numel() != nbytes:  # a slab's buffers are all of one size
+                continue
+            n = min(len(unused), len(at) - done)
+            run = unused[-n:]
+            del unused[-n:]
+            slab.lent += n
+            for k, buf in zip(at[done:done + n], reversed(run)):
+                out[k] = (buf, slab)
+            done += n
+
     def take_many(self, sizes: Sequence[int]) -> list[Optional[tuple[torch.Tensor, _Slab]]]:
-        """``take`` for each size: what held slabs have, under one lock; the rest one by one
-        (a slab may have to be allocated)."""
+        """``take`` for each size: what held slabs have, under one lock, taken a slab's run at a
+        time (a step's pages are all of one size); the rest one by one (a slab may have to be
+        allocated)."""
+        out: list[Optional[tuple[torch.Tensor, _Slab]]] = [None] * len(sizes)
+        wanted: dict[int, list[int]] = {}
+        for k, nbytes in enumerate(sizes):
+            wanted.setdefault(nbytes, []).append(k)
         with self._lock:
-            out = [self._take_unused(n) for n in sizes]
+            for nbytes, at in wanted.items():
+                self._take_unused_run(nbytes, at, out)
         for k, got in enumerate(out):
             if got is None:
                 out[k] = self.take(sizes[k])

@@ -14,6 +14,7 @@ import torch
 
 from cache_helpers import drop_cached
 from gdskv.config import ConfigError, GdsKvConfig
+from gdskv.hostmem import SlabPool
 from gdskv.hosttier import (DEFAULT_HOST_BYTES, SAVE_EVICT_SHARE, HostTier, gather, keeps_page_cache_reads, payload_nbytes,
                              physical_memory, scatter, scatter_many, tier_bytes)
 from gdskv.service import KvService, ServiceSetupError
@@ -224,6 +225,31 @@ def test_a_step_reserves_and_settles_its_pages_at_once():
     assert tier.used == 400
     tier.settle_many([], again)
     assert tier.used == 200
+
+
+def test_take_many_hands_out_runs_of_held_buffers_each_once_then_allocates_the_rest():
+    """``SlabPool.take_many`` takes a slab's unused buffers a run at a time: every buffer it
+    gives is of the size asked, lies in its slab and is given to one caller only, in the order
+    ``take`` one by one would give them; mixed sizes come from their own slabs; what held slabs
+    lack is allocated; given back, each buffer is taken again."""
+    pool = SlabPool(capacity=4000, pinned=False)
+    pool.slab_bytes = 1000  # ten 100-byte buffers a slab
+    one_by_one = [pool.take(100) for _ in range(3)]
+    pool.give_many(one_by_one)
+    got = pool.take_many([100] * 14 + [300, 100, 300])
+    sizes = [buf.numel() for buf, _ in got]
+    assert sizes == [100] * 14 + [300, 100, 300]
+    addresses = [buf.data_ptr() for buf, _ in got]
+    assert len(set(addresses)) == len(addresses)
+    for buf, slab in got:
+        base = slab.memory.data_ptr()
+        assert base <= buf.data_ptr() and buf.data_ptr() + buf.numel() <= base + slab.nbytes
+    assert addresses[:3] == [buf.data_ptr() for buf, _ in reversed(one_by_one)]  # as take() pops them
+    assert sum(slab.lent for slab in pool._slabs) == len(got)
+    pool.give_many(got)
+    assert sum(slab.lent for slab in pool._slabs) == 0
+    again = pool.take_many([100] * 15 + [300, 300])
+    assert sorted(buf.data_ptr() for buf, _ in again) == sorted(addresses)
 
 
 def test_saves_in_flight_evict_only_within_their_share_of_the_tier():
