@@ -15,6 +15,7 @@ import torch
 from cache_helpers import drop_cached
 from gdskv.config import ConfigError, GdsKvConfig
 from gdskv.hostmem import SlabPool
+from gdskv.io import batch as batchio
 from gdskv.hosttier import (DEFAULT_HOST_BYTES, SAVE_EVICT_SHARE, HostTier, gather, keeps_page_cache_reads, payload_nbytes,
                              physical_memory, scatter, scatter_many, tier_bytes)
 from gdskv.service import KvService, ServiceSetupError
@@ -161,6 +162,24 @@ def test_scatter_many_copies_every_entry_into_its_pages_or_refuses_before_copyin
     with pytest.raises(ValueError):
         scatter_many([(bufs[1], fresh), (bufs[2], short)], threads=2)
     assert all(int(t.sum()) == 0 for t in fresh)  # refused before any copy
+
+
+@pytest.mark.skipif(not batchio.available(), reason="the native batch path is not built here")
+@pytest.mark.parametrize("total_mib", [2, 40], ids=["cached-copies", "streamed-copies"])
+def test_copy_many_moves_every_byte_at_any_alignment_below_and_above_the_streaming_size(total_mib):
+    """``copy_many`` copies with memcpy below ``STREAM_COPIES`` (32 MiB a call) and with
+    non-temporal stores above: either way every byte of every copy lands, at destinations and
+    sources off any alignment, with lengths that end mid-line, and nothing beside them moves."""
+    n = 8
+    size = (total_mib << 20) // n + 77
+    src = torch.randint(0, 256, (n * size + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(total_mib))
+    dst = torch.zeros(n * (size + 64) + 64, dtype=torch.uint8)
+    copies = [(dst.data_ptr() + 3 + k * (size + 64), src.data_ptr() + 5 + k * size, size) for k in range(n)]
+    batchio.copy_many(copies, threads=2)
+    for k in range(n):
+        at = 3 + k * (size + 64)
+        assert torch.equal(dst[at:at + size], src[5 + k * size:5 + (k + 1) * size])
+        assert int(dst[at + size:at + size + 64].sum()) == 0 and (k or int(dst[:3].sum()) == 0)
 
 
 def test_the_tier_stays_consistent_under_many_threads():

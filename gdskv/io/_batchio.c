@@ -1078,8 +1078,13 @@ static PyObject *lease_chunks(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* copy_many: host-memory copies (dst, src, len) spread over threads in COPY_PIECE-sized pieces. */
+/* copy_many: host-memory copies (dst, src, len) spread over threads in COPY_PIECE-sized pieces.
+ * A call moving at least STREAM_COPIES bytes in all (a prefix's worth of host-tier hits) writes
+ * with non-temporal stores: far more than the cores' caches hold, so keeping the destination
+ * lines there only costs a read-for-ownership of each (a hot load of 1 GiB of 256 KiB / 1 MiB
+ * pages on the 2-vCPU VM: 11.0 -> 13.5 / 12.7 -> 16.8 GB/s). */
 #define COPY_PIECE (1 << 20)
+#define STREAM_COPIES (32u << 20)
 typedef struct {
     char *dst;
     const char *src;
@@ -1090,6 +1095,7 @@ typedef struct {
     copy_t *items;
     Py_ssize_t n;
     Py_ssize_t next;  /* taken with __atomic_fetch_add */
+    int stream;       /* copy_streaming rather than memcpy */
 } copies_t;
 
 static void *run_copies(void *arg) {
@@ -1097,7 +1103,8 @@ static void *run_copies(void *arg) {
     for (;;) {
         Py_ssize_t i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED);
         if (i >= c->n) break;
-        memcpy(c->items[i].dst, c->items[i].src, c->items[i].n);
+        if (c->stream) copy_streaming(c->items[i].dst, c->items[i].src, c->items[i].n);
+        else memcpy(c->items[i].dst, c->items[i].src, c->items[i].n);
     }
     return NULL;
 }
@@ -1108,6 +1115,7 @@ static int parse_copies(PyObject *list, copies_t *c, size_t piece) {
     PyObject *fast = PySequence_Fast(list, "copies must be a sequence");
     if (!fast) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), pieces = 0;
+    unsigned long long total = 0;
     unsigned long long (*spec)[3] = calloc(n ? n : 1, sizeof *spec);
     if (!spec) {
         Py_DECREF(fast);
@@ -1121,9 +1129,10 @@ static int parse_copies(PyObject *list, copies_t *c, size_t piece) {
             return -1;
         }
         pieces += (Py_ssize_t)((spec[i][2] + piece - 1) / piece);
+        total += spec[i][2];
     }
     Py_DECREF(fast);
-    *c = (copies_t){calloc(pieces ? pieces : 1, sizeof(copy_t)), 0, 0};
+    *c = (copies_t){calloc(pieces ? pieces : 1, sizeof(copy_t)), 0, 0, total >= STREAM_COPIES};
     if (!c->items) {
         free(spec);
         PyErr_NoMemory();
