@@ -23,10 +23,34 @@ _OVER = (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED)
 _CANCELLED = (CANCELLED, CANCELLED_AND_NOTIFIED)
 
 
+class _ListOnFirstUse:
+    """A future's ``_waiters`` or ``_done_callbacks``: its own empty list, made when first read
+    (then an ordinary attribute of the instance, and ``_lists`` set). Most page futures are
+    only ever asked for their result, and two lists each, alive for the whole load, were two of
+    the page's garbage-collected objects that set off full collections in a heap nobody froze."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: Optional[type] = None) -> Any:
+        if obj is None:
+            return self
+        made: list = []
+        setattr(obj, self.name, made)
+        obj._lists = True
+        return made
+
+
 class PageFuture(Future):
     """A ``Future`` sharing ``condition`` with the other futures of its batch. A shared
     condition's ``notify_all`` wakes waiters of other pages too, so every wait here loops until
     this future is over (the base class would take such a wake-up for a timeout)."""
+
+    _waiters = _ListOnFirstUse()
+    _done_callbacks = _ListOnFirstUse()
+    _lists = False
+    """Whether either list was made (read through ``fut.__dict__`` instead, each future would
+    get a dict)."""
 
     def __init__(self, condition: threading.Condition, hurry: Optional[Callable[[], ContextManager]] = None) -> None:  # noqa: D107
         self._condition = condition
@@ -34,8 +58,6 @@ class PageFuture(Future):
         self._state = PENDING
         self._result: Any = None
         self._exception: Optional[BaseException] = None
-        self._waiters: list = []
-        self._done_callbacks: list = []
 
     def done(self) -> bool:
         return self._state in _OVER
@@ -98,12 +120,12 @@ def resolve_many(futures: Sequence[PageFuture], results: Optional[Sequence[Any]]
             else:
                 fut._result = results[k]  # type: ignore[index]
             fut._state = FINISHED
-            for waiter in fut._waiters:
+            for waiter in (fut._waiters if fut._lists else ()):  # not made here where nobody waits
                 if error is not None:
                     waiter.add_exception(fut)
                 else:
                     waiter.add_result(fut)
         condition.notify_all()
     for fut in futures:
-        if fut._done_callbacks:
+        if fut._lists and fut._done_callbacks:
             fut._invoke_callbacks()

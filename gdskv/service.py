@@ -366,16 +366,17 @@ class KvService:
         out: list[Optional[Future]] = [None] * len(items)
         disk: list[DiskLoad] = []
         now: list[tuple[int, bytes, Borrowed, list[Any]]] = []
-        pages = [(key, list(segments)) for key, segments in items]
+        keys = [key for key, _ in items]
+        segs = [list(segments) for _, segments in items]  # not a tuple a page (gc: see gdskv.futures)
         if self.host is None:
-            disk = [(i, key, segments, None, None) for i, (key, segments) in enumerate(pages)]
+            disk = [(i, key, segments, None, None) for i, (key, segments) in enumerate(zip(keys, segs))]
         else:
-            sizes = [payload_nbytes(segments) for _, segments in pages]
-            lents = self._borrow_many(rank, group, [key for key, _ in pages], sizes)
+            sizes = [payload_nbytes(segments) for segments in segs]
+            lents = self._borrow_many(rank, group, keys, sizes)
             misses: list[int] = []
             later: list[tuple[int, bytes, Borrowed, list[Any]]] = []
             after: list[tuple[int, bytes, Borrowed, list[Any]]] = []
-            for i, ((key, segments), lent) in enumerate(zip(pages, lents)):
+            for i, (key, segments, lent) in enumerate(zip(keys, segs, lents)):
                 if lent is None:
                     misses.append(i)
                 elif ready is None and all(s.is_cpu for s in segments):
@@ -384,9 +385,8 @@ class KvService:
                     after.append((i, key, lent, segments))
             self._hits_after(rank, after, ready, out, nbytes, t0)
             self._hits_after(rank, self._hits_native(rank, transfer, later, out, nbytes, t0), None, out, nbytes, t0)
-            slots = self._reserve_many(rank, group, [pages[i][0] for i in misses], [sizes[i] for i in misses])
-            disk = [(i, pages[i][0], pages[i][1], slot,
-                     None if slot is None else LoadVia(slot.buf, keeps_page_cache_reads(pages[i][1])))
+            slots = self._reserve_many(rank, group, [keys[i] for i in misses], [sizes[i] for i in misses])
+            disk = [(i, keys[i], segs[i], slot, None if slot is None else LoadVia(slot.buf, keeps_page_cache_reads(segs[i])))
                     for i, slot in zip(misses, slots)]
         if now:
             for i, key, segments in self._hits_now(rank, now, out, nbytes, t0):

@@ -140,7 +140,8 @@ class PageTransfer:
 
         ``ready``: something with ``synchronize()`` (a CUDA event recorded on the forward pass's
         stream) that the transfer thread waits on before it reads the page, so the caller never
-        blocks on the device. The caller keeps the page's memory unchanged until the future resolves.
+        blocks on the device. The caller keeps the page's memory, and a list of its segments,
+        unchanged until the future resolves.
         """
         return self.save_pages(group, [(key, parent, segments)], ready)[0]
 
@@ -154,7 +155,7 @@ class PageTransfer:
         flat ``uint8`` host buffer of the page's size (the host tier's, ``KvService.save_many``)
         that holds the payload too once the page is PUBLISHED: the native path copies it there
         in the pass that seals the page (one read of the page for both)."""
-        jobs = [(item[0], item[1], list(item[2]), item[3] if len(item) > 3 else None) for item in items]
+        jobs = [(item[0], item[1], _as_list(item[2]), item[3] if len(item) > 3 else None) for item in items]
         if ready is None and jobs and self._later_ready() and not self._any_staged(jobs, 2):
             return self._later(group, jobs, on_done, save=True)
         return self._batch(self._save, self._save_slice, group, jobs, ready, on_done, self._background)
@@ -433,7 +434,7 @@ class PageTransfer:
         slot is written, so kernels still using the slot's previous contents finish first. When
         the future resolves, the bytes are in the slot (device copies included): the engine may
         launch work that reads them. Unless the result is LOADED, the segments' contents are
-        undefined and must not be used.
+        undefined and must not be used. A list of segments stays unchanged until then too.
         """
         return self.load_pages(group, [(key, segments)], ready)[0]
 
@@ -450,7 +451,7 @@ class PageTransfer:
         slower here: a fresh, large buffer per load, against a small staging buffer reused.)
         ``background``: no forward pass waits for these pages (an asynchronous load): they move
         on the background threads."""
-        jobs = [(item[0], list(item[1]), item[2] if len(item) > 2 else None) for item in items]
+        jobs = [(item[0], _as_list(item[1]), item[2] if len(item) > 2 else None) for item in items]
         if background and ready is None and jobs and self._later_ready() and not self._any_staged(jobs, 1):
             return self._later(group, jobs, on_done, save=False)
         return self._batch(self._load, self._load_slice, group, jobs, ready, on_done,
@@ -918,6 +919,13 @@ class _Copies(NamedTuple):
         except Exception:
             log.exception("gdskv: finishing host-memory copies failed")
         resolve_many([self.future], [LoadStatus.LOADED], None)
+
+
+def _as_list(segments: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A page's segments as the list its job holds: a list is taken as it is (its caller keeps it
+    unchanged until the page's future resolves, as it keeps the page's memory; ``KvService``
+    hands over lists of its own), so a page posted costs no second list."""
+    return segments if type(segments) is list else list(segments)
 
 
 def _started_pool(threads: int, name: str, nice: int) -> ThreadPoolExecutor:

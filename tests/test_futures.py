@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import CancelledError, Future, TimeoutError, wait
+from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, TimeoutError, as_completed, wait
 
 import pytest
 
@@ -70,3 +70,28 @@ def test_timeouts_and_cancellation() -> None:
     assert futures[0].set_running_or_notify_cancel() and not futures[0].cancel()  # running: too late
     resolve_many(futures[:1], [7], None)
     assert futures[0].result(timeout=0) == 7
+
+
+def test_waiters_in_wait_and_as_completed_are_woken_and_unwatched_futures_make_no_lists() -> None:
+    """``concurrent.futures.wait``/``as_completed`` install their waiters in the lists a page
+    future makes on first use, and ``resolve_many`` wakes them; a future nobody waits on or
+    calls back from never makes those lists (they were two garbage-collected objects a page)."""
+    futures = _running(3)
+    woke: list[set] = []
+    waiter = threading.Thread(target=lambda: woke.append(wait(futures, timeout=5, return_when=FIRST_COMPLETED).done))
+    waiter.start()
+    time.sleep(0.05)
+    resolve_many(futures[1:2], ["b"], None)
+    waiter.join(5)
+    assert woke == [{futures[1]}]
+    order: list[object] = []
+    reader = threading.Thread(target=lambda: order.extend(f.result() for f in as_completed(futures[::2], timeout=5)))
+    reader.start()
+    time.sleep(0.05)
+    resolve_many(futures[2:], ["c"], None)
+    resolve_many(futures[:1], ["a"], None)
+    reader.join(5)
+    assert order == ["c", "a"]
+    quiet = _running(2)
+    resolve_many(quiet, [1, 2], None)
+    assert [f.result() for f in quiet] == [1, 2] and not any(f._lists for f in quiet)
