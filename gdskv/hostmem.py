@@ -66,15 +66,13 @@ class SlabPool:
 
     def _take_unused(self, nbytes: int) -> Optional[tuple[torch.Tensor, _Slab]]:
         """A held slab's unused buffer of ``nbytes``, or None; under the lock."""
-        for slab in self._slabs:
-            if slab.unused and slab.unused[-1].numel() == nbytes:
-                slab.lent += 1
-                return slab.unused.pop(), slab
-        return None
+        out: list[Optional[tuple[torch.Tensor, _Slab]]] = [None]
+        self._take_unused_run(nbytes, [0], out)
+        return out[0]
 
     def _take_unused_run(self, nbytes: int, at: list[int], out: list) -> None:
         """Held slabs' unused buffers of ``nbytes`` into ``out[k]`` for each ``k`` of ``at``, as
-        far as they go, in the order ``_take_unused`` would give them; under the lock."""
+        far as they go, the first slab's last unused buffer first; under the lock."""
         done = 0
         for slab in self._slabs:
             if done == len(at):

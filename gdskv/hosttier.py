@@ -229,8 +229,7 @@ class HostTier:
                     self._entries.move_to_end(key)
                 elif nbytes and 0 < nbytes <= self.capacity and (
                         not saving or self._used + nbytes <= self.capacity or self._saving + nbytes <= may_evict):
-                    short = self._used + nbytes > self.capacity
-                    pages, freed = self._evict_until(self.capacity - nbytes) if short else (0, 0)
+                    pages, freed = self._evict_until(self.capacity - nbytes)
                     self._used += nbytes
                     self._saving += nbytes if saving else 0
                     want.append((i, key, nbytes, pages, freed))
