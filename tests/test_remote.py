@@ -301,9 +301,10 @@ def test_upload_threads_run_niced_as_the_other_background_transfers(tmp_path, en
     before = set(threading.enumerate())  # other tests' services may still be winding down
     svc = KvService(cfg, SPEC)
     uploaders = [t for t in threading.enumerate() if t.name.startswith("gdskv-upload-") and t not in before]
-    assert any(re.fullmatch(r"gdskv-upload-\d+", t.name) for t in uploaders)  # the workers live as long as the service
+    workers = [t for t in uploaders if re.fullmatch(r"gdskv-upload-\d+", t.name)]  # live as long as the service
+    assert workers
     assert wait_for(lambda: all(nice_of(t) in (None, min(19, base + 6)) for t in uploaders))
-    assert all(nice_of(t) is not None for t in uploaders if re.fullmatch(r"gdskv-upload-\d+", t.name))
+    assert all(nice_of(t) is not None for t in workers)
     assert os.getpriority(os.PRIO_PROCESS, 0) == base
     save_all(svc)  # and they still upload
     assert wait_for(lambda: len(endpoint.keys(prefix)) > 0)
