@@ -43,10 +43,20 @@ log = logging.getLogger(__name__)
 
 SLICE_PAGES = 64
 """Most pages one native batch call moves (``PageTransfer._batch``): enough to amortize the call
-and its GIL round trip, few enough that a step's pages still spread over both callers."""
+and its GIL round trip, few enough that a step's pages still spread over the callers."""
 NATIVE_CALLERS = 2
-"""Pool threads that pass slices to the native batch path at once: two, so that one verifies and
-resolves its slice (with the GIL) while the other's pages move (without it)."""
+"""Pool threads that pass slices of saves and asynchronous loads to the native batch path at once,
+the depth shared among them: two, so that one verifies and resolves its slice (with the GIL)
+while the other's pages move (without it). Work that runs beside the serving thread: more
+callers are more Python threads taking the GIL from it (``scripts/bench_ttft.py``'s decode steps
+with saves at 64 MiB/s / as fast as they go, medians of 5 runs: 1.04 / 1.06x the steps without
+at 2 callers, 1.06 / 1.09x at 4)."""
+FOREGROUND_CALLERS = 4
+"""The same for loads a forward pass waits for, where only their pace counts: while one caller
+verifies its slice and its native threads wait for the slowest page of the call, the others'
+pages keep the device busy. Cold 256 KiB loads, same files, alternated in one process on the
+2-vCPU VM (depth 16): 2 callers of 8 threads 3.01 GB/s, 4 of 4 3.35 (+11%, every round), 8 of 2
+3.08, 16 of 1 3.02; at 1 MiB 3.23 vs 3.33."""
 
 
 REAP_GRACE = 0.05
@@ -158,7 +168,7 @@ class PageTransfer:
         jobs = [(item[0], item[1], _as_list(item[2]), item[3] if len(item) > 3 else None) for item in items]
         if ready is None and jobs and self._later_ready() and not self._any_staged(jobs, 2):
             return self._later(group, jobs, on_done, save=True)
-        return self._batch(self._save, self._save_slice, group, jobs, ready, on_done, self._background)
+        return self._batch(self._save, self._save_slice, group, jobs, ready, on_done, self._background, NATIVE_CALLERS)
 
     def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor],
               via: Optional[torch.Tensor] = None) -> SaveStatus:
@@ -455,15 +465,17 @@ class PageTransfer:
         if background and ready is None and jobs and self._later_ready() and not self._any_staged(jobs, 1):
             return self._later(group, jobs, on_done, save=False)
         return self._batch(self._load, self._load_slice, group, jobs, ready, on_done,
-                           self._background if background else self._pool)
+                           *((self._background, NATIVE_CALLERS) if background else (self._pool, FOREGROUND_CALLERS)))
 
     def _batch(self, fn: Callable[..., Any], slice_fn: Callable[[int, list[tuple], int], list[Any]], group: int,
-               jobs: list[tuple], ready: Optional[Any], on_done: Optional[DoneFn], pool: ThreadPoolExecutor) -> list[Future]:
+               jobs: list[tuple], ready: Optional[Any], on_done: Optional[DoneFn], pool: ThreadPoolExecutor,
+               callers: int) -> list[Future]:
         """Run the jobs with ``depth`` pages in flight on ``pool``. Each pool thread waits on
         ``ready`` once, then takes slices of jobs until none is left and resolves their futures
         itself: a batch costs a few hand-offs, not one per page (the per-page submit, wake-up and
         future of the pool were a fifth of a warm 64 KiB load). Where the native batch path applies
-        (``gdskv.io.batch``), at most ``NATIVE_CALLERS`` pool threads each pass slices of up to
+        (``gdskv.io.batch``), at most ``callers`` pool threads (``NATIVE_CALLERS`` or
+        ``FOREGROUND_CALLERS``) each pass slices of up to
         ``SLICE_PAGES`` pages to ``slice_fn(group, jobs, inner)``, which moves them on ``inner``
         native threads without the GIL (``callers * inner`` <= ``depth``): Python threads
         contending for the GIL were what slowed both the pages and the serving thread.
@@ -476,7 +488,7 @@ class PageTransfer:
         futures = batch_futures(len(jobs))
         native = self._batchable()
         if native:
-            threads = min(NATIVE_CALLERS, len(jobs))
+            threads = min(callers, self.depth, len(jobs))
             inner = max(1, self.depth // max(1, threads))
             size = max(1, min(SLICE_PAGES, -(-len(jobs) // (max(1, threads) * 2))))
         else:

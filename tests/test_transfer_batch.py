@@ -17,7 +17,7 @@ from gdskv.io import batch as batchio
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
-from gdskv.transfer import NATIVE_CALLERS, LoadStatus, LoadVia, PageTransfer, SaveStatus
+from gdskv.transfer import FOREGROUND_CALLERS, NATIVE_CALLERS, LoadStatus, LoadVia, PageTransfer, SaveStatus
 
 KEYS = chain_keys(list(range(16 * 24)), 16, "batch")
 PAGE = 8192 + 100
@@ -121,6 +121,51 @@ def test_every_thread_waits_for_readiness_before_it_moves_a_page_and_depth_bound
     x.close()
 
 
+def test_a_load_a_step_waits_for_runs_more_native_calls_at_once_than_background_work(store_path, io_path, monkeypatch):
+    """``FOREGROUND_CALLERS`` calls share the depth for a load a forward pass waits for (while one
+    verifies its slice, the others' pages keep the device busy); an asynchronous load, which runs
+    beside the serving thread, takes ``NATIVE_CALLERS``. Either way no more than ``depth`` pages
+    move at once."""
+    if io_path != "native":
+        pytest.skip("native calls are the batch path's own")
+    x = make(store_path, depth=16)
+    n = 128
+    keys = chain_keys(list(range(16 * n)), 16, "callers")
+    src = pool(n, 11)
+    [f.result() for f in x.save_pages(0, [(keys[i], None, [src[i]]) for i in range(n)])]
+    calls, pages, peak_calls, peak_pages = [0], [0], [0], [0]
+    lock = threading.Lock()
+    real = batchio.read_chunks
+
+    def read_chunks(fd, jobs, direct, threads, *staging):
+        with lock:
+            calls[0] += 1
+            pages[0] += min(threads, len(jobs))
+            peak_calls[0], peak_pages[0] = max(peak_calls[0], calls[0]), max(peak_pages[0], pages[0])
+        try:
+            time.sleep(0.05)
+            return real(fd, jobs, direct, threads, *staging)
+        finally:
+            with lock:
+                calls[0] -= 1
+                pages[0] -= min(threads, len(jobs))
+
+    monkeypatch.setattr(batchio, "read_chunks", read_chunks)
+    ready = Gate()  # a readiness keeps an asynchronous load on the pool threads, as staged pages do
+    ready.open.set()
+    peaks = {}
+    for background in (False, True):
+        peak_calls[0] = peak_pages[0] = 0
+        dst = torch.zeros(n, PAGE, dtype=torch.uint8)
+        futures = x.load_pages(0, [(keys[i], [dst[i]]) for i in range(n)], ready=ready, background=background)
+        assert [f.result() for f in futures] == [LoadStatus.LOADED] * n
+        assert torch.equal(dst, src)
+        assert peak_pages[0] <= 16
+        peaks[background] = peak_calls[0]
+    assert peaks == {False: FOREGROUND_CALLERS, True: NATIVE_CALLERS} and peaks[False] > peaks[True]
+    x.close()
+
+
 def test_a_cancelled_page_of_a_batch_is_skipped(store_path):
     x = make(store_path, depth=1)
     src = pool(4, 4)
@@ -146,8 +191,9 @@ def test_many_pages_round_trip_with_several_pages_in_flight_per_call(store_path)
     loaded = x.load_pages(0, [(keys[i], [dst[i]]) for i in range(n)])
     assert [f.result() for f in loaded] == [LoadStatus.LOADED] * n
     assert torch.equal(src, dst)
-    # staging buffers are shared by calls, not kept per thread: no more than ran at once
-    assert x.engine._batch_buffers.qsize() <= NATIVE_CALLERS
+    # staging buffers are shared by calls, not kept per thread: no more than ran at once (the
+    # saves' callers, then the load's)
+    assert x.engine._batch_buffers.qsize() <= max(NATIVE_CALLERS, FOREGROUND_CALLERS)
     x.close()
 
 
