@@ -55,8 +55,9 @@ FOREGROUND_CALLERS = 4
 """The same for loads a forward pass waits for, where only their pace counts: while one caller
 verifies its slice and its native threads wait for the slowest page of the call, the others'
 pages keep the device busy. Cold 256 KiB loads, same files, alternated in one process on the
-2-vCPU VM (depth 16): 2 callers of 8 threads 3.01 GB/s, 4 of 4 3.35 (+11%, every round), 8 of 2
-3.08, 16 of 1 3.02; at 1 MiB 3.23 vs 3.33."""
+2-vCPU VM (depth 16): 2 callers of 8 threads 3.01 / 2.72 GB/s (two runs), 4 of 4 3.35 / 3.07
+(+11-13%, faster in every round), 8 of 2 3.08, 16 of 1 3.02; at 1 MiB 3.23 vs 3.33, at 4 MiB
+equal (the disk's pace)."""
 
 
 REAP_GRACE = 0.05

@@ -143,7 +143,7 @@ def test_a_load_a_step_waits_for_runs_more_native_calls_at_once_than_background_
             pages[0] += min(threads, len(jobs))
             peak_calls[0], peak_pages[0] = max(peak_calls[0], calls[0]), max(peak_pages[0], pages[0])
         try:
-            time.sleep(0.05)
+            time.sleep(0.1)  # long enough that every caller's calls overlap, however late it starts
             return real(fd, jobs, direct, threads, *staging)
         finally:
             with lock:
