@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import NoReturn, Optional, Sequence
 
-from gdskv.config import GdsKvConfig, parse_size
+from gdskv.config import ConfigError, GdsKvConfig, parse_size
 
 DESCRIPTION = "Store throughput against the two obvious alternatives, on one disk, in one run."
 POOLS = ("torch", "hugepage", "pinned", "cuda")
@@ -36,11 +36,18 @@ class BenchOptions:
     """Also measure ``ServiceSubject`` (the default config through ``KvService``, host tier on)."""
 
 
-def _page_size(text: str) -> int:
+def _size(text: str) -> int:
     try:
         n = parse_size(text)
-    except ValueError as e:  # argparse would say "invalid _page_size value"
+    except ValueError as e:  # argparse would say "invalid _size value"
         raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return n
+
+
+def _page_size(text: str) -> int:
+    n = _size(text)
     if not MIN_PAGE <= n <= MAX_PAGE or n % 512:
         raise argparse.ArgumentTypeError(f"page size must be a multiple of 512 bytes in [4K, 64M], got {text!r}")
     return n
@@ -60,7 +67,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="directory on the disk to measure "
                         "(a temporary subdirectory is created and removed); default: the system temp directory "
                         "(under gdskv bench: the directory that holds the store)")
-    parser.add_argument("--total", default="1G", help="bytes of pages per measurement (default 1G)")
+    parser.add_argument("--total", default=1 << 30, type=_size, help="bytes of pages per measurement (default 1G)")
     parser.add_argument("--page-size", action="append", type=_page_size,
                         help="page size (64K .. 16M are what engines use); repeat for several (default: 256K, 1M, 4M)")
     parser.add_argument("--pool", action="append", choices=POOLS,
@@ -75,7 +82,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool
     parser.add_argument("--io-threads", type=int, default=GdsKvConfig.io_threads)
     parser.add_argument("--transfer-threads", type=int, default=GdsKvConfig.io_threads)
     parser.add_argument("--kvikio-threads", type=int, default=4)
-    parser.add_argument("--kvikio-task-size", default="4M")
+    parser.add_argument("--kvikio-task-size", default=4 << 20, type=_size)
     parser.add_argument("--no-baselines", action="store_true", help="measure the store only")
     parser.add_argument("--no-service", action="store_true",
                         help="leave out the service subject (the default config through KvService, host tier on)")
@@ -88,13 +95,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool
         parser.error(f"--peers: unknown peer {unknown[0]!r} (vllm, lmcache)")
     if not os.path.isdir(args.dir):
         parser.error(f"--dir: not a directory: {args.dir}")
+    # the engines' settings, checked as the config checks them, before any subject is measured
+    # (the transfer threads are a transfer's depth: the config's io_threads)
+    for flag, setting in (("--io-threads", {"io_threads": args.io_threads}),
+                          ("--transfer-threads", {"io_threads": args.transfer_threads}),
+                          ("--kvikio-threads", {"kvikio_threads": args.kvikio_threads}),
+                          ("--kvikio-task-size", {"kvikio_task_size": args.kvikio_task_size})):
+        try:
+            GdsKvConfig(**setting)
+        except ConfigError as e:
+            parser.error(f"{flag}: {e}")
     options = BenchOptions(
-        directory=args.dir, total_bytes=parse_size(args.total),
+        directory=args.dir, total_bytes=args.total,
         page_sizes=tuple(args.page_size or (256 << 10, 1 << 20, 4 << 20)), pools=tuple(args.pool or ("torch",)),
         peers=tuple(p for p in args.peers.split(",") if p),
         rounds=args.rounds, engines=tuple(e for e in args.engines.split(",") if e),
         io_threads=args.io_threads, transfer_threads=args.transfer_threads,
-        kvikio_threads=args.kvikio_threads, kvikio_task_size=parse_size(args.kvikio_task_size),
+        kvikio_threads=args.kvikio_threads, kvikio_task_size=args.kvikio_task_size,
         baselines=not args.no_baselines, service=not args.no_service,
     )
     return options, args.json

@@ -497,7 +497,13 @@ def test_bench_answers_a_bad_option_with_one_line(tmp_path: Path) -> None:
                        (("--page-size", "3X"), "argument --page-size: not a size: '3X'"),
                        (("--rounds", "0"), "--rounds must be at least 1"),
                        (("--peers", "sglang"), "unknown peer 'sglang'"),
-                       (("--dir", str(tmp_path / "absent")), f"--dir: not a directory: {tmp_path / 'absent'}")):
+                       (("--dir", str(tmp_path / "absent")), f"--dir: not a directory: {tmp_path / 'absent'}"),
+                       (("--total", "x"), "argument --total: not a size: 'x'"),
+                       (("--total", "0"), "argument --total: must be more than 0 bytes"),
+                       (("--kvikio-task-size", "1K"), "--kvikio-task-size: gdskv config: kvikio_task_size must be at least"),
+                       (("--io-threads", "0"), "--io-threads: gdskv config: io_threads must be an integer in [1, 256]"),
+                       (("--transfer-threads", "0"), "--transfer-threads: gdskv config: io_threads must be an integer"),
+                       (("--kvikio-threads", "999"), "--kvikio-threads: gdskv config: kvikio_threads must be an integer")):
         res = gdskv(tmp_path / "store", "bench", "--", *args)
         assert res.returncode == 2 and res.stdout == "", res
         assert res.stderr.count("\n") == 1 and res.stderr.startswith("gdskv bench: ") and said in res.stderr, res.stderr
