@@ -33,7 +33,8 @@ pages moved in place or through a staging copy: peers that read into page-aligne
 their own never pay that copy.
 
 Each subject saves (timed until the bytes are durable: ``syncfs`` of the directory's file system,
-for every subject alike), loads cold (page cache of its files dropped with
+for every subject alike; each round in a directory of its own, placed apart from the ones removed
+before it: ``spread_directories``), loads cold (page cache of its files dropped with
 ``posix_fadvise(DONTNEED)``) and loads warm (its files read once through the page cache first:
 a subject that reads the cache when the bytes are there shows it). ``load_hot`` (a host-memory
 tier, filled by the cold load) is measured right after the cold load for subjects that have one
@@ -49,6 +50,7 @@ pause inside one of every few timed loads here, unfrozen).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import gc
 import json
 import os
@@ -441,6 +443,35 @@ def sync_directory_fs(directory: Path) -> None:
         os.close(fd)
 
 
+_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_TOPDIR_FL = 0x80086601, 0x40086602, 0x00020000
+
+
+def spread_directories(directory: Path) -> bool:
+    """Have the file system place each directory made in ``directory`` as it places top-level
+    ones: spread over the disk by the name's hash, not next to its parent (ext4's Orlov allocator
+    and the ``T`` attribute, ``chattr +T``). True where it took; False where the file system has
+    no such attribute (nothing changed). Called by ``_run`` on the run's scratch directory, whose
+    round directories have random names.
+
+    Why: on ext4 without a journal, creating a file scans past every inode of its group freed in
+    the last 60-300 s (``recently_deleted`` in ``find_inode_bit``). Each round removes its
+    directory, so the next subject's one-file-per-page save paid a scan over the previous
+    subject's thousands of freed inodes on every create (1-2 s for 4096 creates where 0.07 s is
+    the cost in a fresh group), while the one-file baselines did not."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        flags = bytearray(8)
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
+        wanted = int.from_bytes(flags[:4], sys.byteorder) | _FS_TOPDIR_FL
+        fcntl.ioctl(fd, _FS_IOC_SETFLAGS, wanted.to_bytes(4, sys.byteorder) + bytes(4))
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
+        return bool(int.from_bytes(flags[:4], sys.byteorder) & _FS_TOPDIR_FL)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def drop_page_cache(paths: Sequence[str]) -> None:
     """Evict the (clean) cached pages of these files, so the next read comes from the device."""
     for path in paths:
@@ -700,6 +731,7 @@ def _run(options: BenchOptions, log: Callable[[str], None]) -> dict[str, Any]:
     subjects: list[Any] = []
     try:
         report["direct_io"] = _direct_io(base)
+        report["spread_directories"] = spread_directories(base)
         subjects = _subjects(options, base, report, log)
         gc.collect()
         gc.freeze()
@@ -798,6 +830,9 @@ def format_report(report: dict[str, Any]) -> str:
             pools = ", ".join(f"{_size(int(page))} pages +{off} B ({'in place' if off % rule == 0 else 'staged'})"
                               for page, off in offsets.items())
             lines.append(f"direct I/O: {said}" + (f"; the torch pools started past a page boundary by: {pools}" if pools else ""))
+    if report.get("spread_directories") is False:
+        lines.append("round directories: not spread over the disk (no chattr +T here): on ext4 without a journal, a "
+                     "one-file-per-page save can pay for the files the round before it removed")
     lines.append(f"GB/s = 1e9 bytes/s; medians of {opts['rounds']} rounds of {opts['total_bytes'] >> 20} MiB; save "
                  f"includes syncfs; cold = page cache dropped; warm = files in the page cache; targets: cold >= "
                  f"{LOAD_TARGET} x ceiling and >= {PEER_TARGET} x vLLM's tier, save >= {SAVE_TARGET} x the best raw "

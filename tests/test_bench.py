@@ -72,6 +72,37 @@ def test_the_report_says_whether_the_torch_pools_pages_move_in_place_or_staged(t
         assert "direct I/O:" in text
 
 
+def test_round_directories_are_spread_where_the_file_system_can(tmp_path: Path) -> None:
+    """The run's scratch directory gets ext4's ``T`` attribute (what ``lsattr`` shows), so each
+    round's directory is placed apart from the one the round before removed; on a file system
+    without it (tmpfs) nothing changes and the call says so, and the report tells which."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from gdskv.bench import BenchOptions, format_report, run, spread_directories
+
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True, text=True).stdout.strip()
+    took = spread_directories(tmp_path)
+    if fs == "ext2/ext3":
+        assert took
+    if shutil.which("lsattr"):
+        shown = subprocess.run(["lsattr", "-d", str(tmp_path)], capture_output=True, text=True)
+        if shown.returncode == 0:
+            assert ("T" in shown.stdout.split()[0]) == took
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        plain = Path(tempfile.mkdtemp(dir=shm))
+        try:
+            assert spread_directories(plain) is False
+        finally:
+            plain.rmdir()
+    report = run(BenchOptions(directory=str(tmp_path), total_bytes=128 << 10, page_sizes=(64 << 10,), rounds=1,
+                              engines=("posix+o_direct",), peers=(), baselines=False, service=False))
+    assert report["spread_directories"] is took
+    assert ("round directories: not spread" in format_report(report)) is not took
+
+
 def test_the_peer_driver_loop_answers_each_command_and_reports_failures(tmp_path: Path) -> None:
     """The drivers' command loop, in a real process: ready, one answer per command, an error
     answer (not a dead process) when a command fails."""
