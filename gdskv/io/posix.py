@@ -447,8 +447,12 @@ def aligned_host_buffer(nbytes: int) -> memoryview:
     (with 4 KiB pages a request stops at the queue's segment limit, 254 x 4 KiB on virtio).
     Called for the staging buffers of CPU-only processes, by ``gdskv.bench.page_pool`` for the
     benchmark's page pools and by the engine tests (torch's own CPU allocations are only 64-byte
-    aligned)."""
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    aligned). The mapping holds whole huge pages past the aligned start: the kernel backs an
+    address with a huge page only where the aligned 2 MiB around it lies inside the mapping, so a
+    mapping of ``nbytes`` + 2 MiB left the tail of a small buffer (a native call's staging, ~1
+    MiB) on 4 KiB pages whenever the start fell late in the mapping's first huge page."""
+    whole = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
+    region = mmap.mmap(-1, whole + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE
