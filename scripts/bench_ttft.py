@@ -62,7 +62,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from gdskv.bench import OneLineParser, drop_page_cache, fill_page_cache, sigterm_as_exit
+from gdskv.bench import OneLineParser, drop_page_cache, fill_page_cache, sigterm_as_exit, spread_directories
 from gdskv.config import GdsKvConfig, parse_size
 from gdskv.connectors.trtllm import GdsKvScheduler, GdsKvWorker, StandaloneLlmArgs
 from gdskv.engine import EngineConfig, ModelConfig, ReferenceEngine
@@ -334,7 +334,7 @@ def loads_section(o: Options, directory: str) -> list[dict]:
     rows = []
     for page in o.page_sizes:
         n = max(8, o.load_bytes // page)
-        path = os.path.join(directory, f"loads-{page}")
+        path = tempfile.mkdtemp(prefix=f"loads-{page}-", dir=directory)
         base = dict(store_path=path, stats_flush_seconds=60.0)
         spec = NamespaceSpec(model="bench-ttft/loads", dtype="uint8", tokens_per_block=TOKENS_PER_BLOCK,
                              groups=(GroupSpec(0, page, (0,)),))
@@ -496,9 +496,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 max_python=a.max_python)
     sections = set(a.only or SECTIONS)
     workdir = tempfile.mkdtemp(prefix="gdskv-bench-ttft-", dir=o.directory)
+    # Each section's store lands apart from the files a run before removed (gdskv.bench.spread_directories):
+    # on ext4 without a journal, creating files beside them costs the saves, and so the decode steps, CPU.
+    spread_directories(Path(workdir))
     try:
-        ttft = ttft_section(o, os.path.join(workdir, "store")) if "ttft" in sections else []
-        decode = decode_section(o, os.path.join(workdir, "decode")) if "decode" in sections else []
+        ttft = ttft_section(o, tempfile.mkdtemp(prefix="ttft-", dir=workdir)) if "ttft" in sections else []
+        decode = decode_section(o, tempfile.mkdtemp(prefix="decode-", dir=workdir)) if "decode" in sections else []
         loads = loads_section(o, workdir) if "loads" in sections else []
         max_rows, max_skipped = max_section_of(o, Path(workdir)) if "max" in sections else ([], None)
     finally:
