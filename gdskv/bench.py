@@ -451,13 +451,15 @@ def spread_directories(directory: Path) -> bool:
     ones: spread over the disk by the name's hash, not next to its parent (ext4's Orlov allocator
     and the ``T`` attribute, ``chattr +T``). True where it took; False where the file system has
     no such attribute (nothing changed). Called by ``_run`` on the run's scratch directory, whose
-    round directories have random names.
+    round directories have random names, and by ``scripts/bench_ttft.py`` on its work directory.
 
     Why: on ext4 without a journal, creating a file scans past every inode of its group freed in
     the last 60-300 s (``recently_deleted`` in ``find_inode_bit``). Each round removes its
     directory, so the next subject's one-file-per-page save paid a scan over the previous
     subject's thousands of freed inodes on every create (1-2 s for 4096 creates where 0.07 s is
-    the cost in a fresh group), while the one-file baselines did not."""
+    the cost in a fresh group), while the one-file baselines did not. Spread directories make
+    that rare, not impossible: the allocator favours groups with few directories, which a group
+    just emptied can be."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         flags = bytearray(8)

@@ -690,8 +690,8 @@ def test_an_aligned_host_buffer_lies_in_whole_huge_pages_of_its_mapping(nbytes: 
     """Every 2 MiB-aligned range the buffer touches lies inside the mapping advised to use huge
     pages, so transparent huge pages can back all of it. A native call's staging buffer (~1 MiB:
     4 threads of 256 KiB chunks) used to end past its mapping's last whole huge page; the kernel
-    backed that tail with 4 KiB pages, each O_DIRECT read into it went to the disk as 65
-    segments, and cold 256 KiB loads into torch pools ran at 0.68-0.84x loads in place."""
+    backed that tail with 4 KiB pages, O_DIRECT reads into which were slow on the development VM,
+    and cold 256 KiB loads into torch pools ran at 0.68-0.84x loads in place (0.94-0.99x after)."""
     import ctypes
 
     buf = aligned_host_buffer(nbytes)
