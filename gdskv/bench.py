@@ -109,6 +109,11 @@ class _Subject:
         if not torch.equal(target, source):
             raise RuntimeError(f"{self.name}: pages read back differ from the pages saved")
 
+    def hot_ready(self) -> bool:
+        """After the cold load: whether host memory holds the pages, so ``load_hot`` can be timed
+        (``supports_hot`` subjects)."""
+        return True
+
     def load_hot(self, pages: torch.Tensor) -> None:
         """A load right after the cold load, served from host memory (``supports_hot`` subjects)."""
         self.load(pages)
@@ -369,6 +374,12 @@ class ServiceSubject(_Subject):
         futures = self.svc.load_many(0, [(key, [pages[i]]) for i, key in enumerate(self.keys)])
         _expect(self.name, futures, LoadStatus.LOADED, "loaded")
 
+    def hot_ready(self) -> bool:
+        """Whether the cold load left every page in the host tier. It does not where the page
+        cache served that load (a file system in memory, such as tmpfs, cannot drop its files),
+        since a load the page cache serves leaves the tier alone."""
+        return all(entry in self.svc.host for entry in self._entries())
+
     def load_hot(self, pages: torch.Tensor) -> None:
         before = self.svc.snapshot()["host_hits"]
         self.load(pages)
@@ -593,7 +604,7 @@ def measure(subject: _Subject, source: torch.Tensor, target: torch.Tensor, base:
         subject.clear(target)
         secs["load_cold"] = _timed(lambda: subject.load(target))
         subject.check(source, target)
-        if hot:
+        if hot and subject.hot_ready():
             subject.clear(target)
             secs["load_hot"] = _timed(lambda: subject.load_hot(target))
             subject.check(source, target)
@@ -654,6 +665,11 @@ def _measure_page_size(page_bytes: int, subjects: list[Any], options: BenchOptio
                 samples[subject.name].setdefault(kind, []).append(v)
             log(f"  {_size(page_bytes)} pages, round {rnd + 1}/{options.rounds}, {subject.name}: "
                 + rates(num_pages * page_bytes, secs))
+    for subject in subjects:
+        if getattr(subject, "supports_hot", False) and samples[subject.name] and "load_hot" not in samples[subject.name]:
+            skipped[f"{subject.name} hot loads at {_size(page_bytes)} pages"] = (
+                "its cold loads were served by the page cache, which leaves the host tier alone (a file system "
+                "in memory, such as tmpfs, cannot drop its files): point --dir at a disk")
     return {name: s for name, s in samples.items() if s}
 
 
