@@ -294,15 +294,17 @@ class PageTransfer:
         self._maybe_flush()
         return out  # type: ignore[return-value]
 
-    def _prepare_saves(self, group: int, jobs: Sequence[tuple], out: list[Optional[SaveStatus]]
-                       ) -> tuple[list[int], list[tuple], list[int], list[bytearray]]:
+    def _prepare_saves(self, group: int, jobs: Sequence[tuple], out: list[Optional[SaveStatus]],
+                       serving: bool = False) -> tuple[list[int], list[tuple], list[int], list[bytearray]]:
         """Sort a slice of saves (``(key, parent, segments, via)`` each): ``out[i]`` set for
         pages already stored (EXISTS) or refused by the budget (DROPPED); the native write jobs of
         the rest, their trailers packed with a zero payload checksum for the native side to seal
         (``gdskv.io.batch.write_chunks``), or sealed here where an auth key asks for a MAC, and
         their ``via`` buffers as the payload's copy-out; the indices of the native jobs and of the
         pages the batch path cannot take (for ``_save``); the trailers the jobs' last pieces point
-        into, which must outlive the writes."""
+        into, which must outlive the writes. ``serving``: called on the serving loop's thread
+        (``_later``), where a page the budget cannot take without evicting goes to ``_save`` on
+        a transfer thread too (``Budget.admit_now``)."""
         ns = self.ns
         expected = ns.spec.group(group).bytes_per_page
         present = ns.contains_many(group, [job[0] for job in jobs])
@@ -323,7 +325,10 @@ class PageTransfer:
             if not batchio.host_pages(segments) or self._checksum not in (None, fmt.CHECKSUM_CRC32C):
                 rest.append(i)
                 continue
-            if budget is not None and not budget.admit(ns, group, expected + fmt.TRAILER_BYTES, parent):
+            if serving and budget is not None and not budget.admit_now(expected + fmt.TRAILER_BYTES):
+                rest.append(i)
+                continue
+            if not serving and budget is not None and not budget.admit(ns, group, expected + fmt.TRAILER_BYTES, parent):
                 ns.counters.add("saves_dropped")
                 ns.counters.add("saves_dropped_budget")
                 out[i] = SaveStatus.DROPPED
@@ -689,15 +694,16 @@ class PageTransfer:
         ``background_nice``) and returned from at once: the pages' futures resolve, and
         ``on_done`` runs, in the ``reap`` that collects them, on the serving loop's thread
         between steps, so no Python thread competes with it for the interpreter while the pages
-        move (a saved page is sealed natively too). Pages the batch path cannot take, and pages
-        that fail in it, are redone on the background pool. A caller blocked on one of the
+        move (a saved page is sealed natively too). Pages the batch path cannot take, saves the
+        budget admits only after an eviction, and pages that fail in it, are redone on the
+        background pool. A caller blocked on one of the
         futures hurries the reaper (``_hurried``)."""
         futures = batch_futures(len(jobs), self._hurried)
         for fut in futures:
             fut.set_running_or_notify_cancel()
         out: list[Any] = [None] * len(jobs)
         if save:
-            native, work, rest, trailers = self._prepare_saves(group, jobs, out)
+            native, work, rest, trailers = self._prepare_saves(group, jobs, out, serving=True)
             reads = None
         else:
             reads, rest = self._prepare_reads(group, jobs)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -234,6 +235,28 @@ def test_budget_keeps_store_under_max_bytes(rig: _Rig) -> None:
     for p in range(8):  # what is left of each chain is a prefix of it
         present = rig.ns.contains_many(0, chain_keys([1000 * p + t for t in range(8)], TPB))
         assert present == sorted(present, reverse=True)
+
+
+def test_saves_posted_from_the_serving_thread_never_evict_there(rig: _Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full budget makes room on a transfer thread: the thread that posts a step's saves (the
+    serving loop) never runs an eviction, and every save still lands within the budget."""
+    budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=6 * CHUNK))
+    budget.headroom = 0.0
+    evicted_on: list[int] = []
+    evict = budget.evict
+
+    def recorded(need: int, protect=()):
+        evicted_on.append(threading.get_ident())
+        return evict(need, protect)
+
+    monkeypatch.setattr(budget, "evict", recorded)
+    for step in range(6):
+        keys = chain_keys([1000 * step + t for t in range(8)], 1)[:4]
+        futures = rig.xfer.save_pages(0, [(k, None, [torch.full((PAGE,), step, dtype=torch.uint8)]) for k in keys])
+        assert [f.result() for f in futures] == [SaveStatus.PUBLISHED] * 4
+        assert rig.stored_bytes() <= 6 * CHUNK
+    assert evicted_on and threading.get_ident() not in evicted_on
+    assert rig.ns.counters["evicted"] >= 18
 
 
 def test_budget_evicts_least_recent_chain_first(rig: _Rig) -> None:

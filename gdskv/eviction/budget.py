@@ -111,7 +111,8 @@ class Budget:
         for a chunk whose parent is not stored: either would leave the new chunk unservable.
         Never raises: an eviction that fails (I/O error, bad index) drops the save, with a log
         line and the namespace's ``eviction_errors`` counter.
-        Called by ``PageTransfer._save`` on a transfer thread, never on the serving loop."""
+        Called by ``PageTransfer`` on a transfer thread, never on the serving loop (which asks
+        ``admit_now``)."""
         try:
             return self._admit(ns, group, nbytes, parent)
         except (OSError, ValueError) as e:
@@ -119,10 +120,17 @@ class Budget:
             self._log_error(f"gdskv: eviction in {self.store.root} failed, save dropped: {e}")
             return False
 
-    def _admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes]) -> bool:
+    def admit_now(self, nbytes: int) -> bool:
+        """``admit`` without evicting or waiting: whether a chunk of ``nbytes`` fits now
+        (reserved as ``admit`` reserves it). Called by ``PageTransfer`` for saves it posts from
+        the serving loop's thread; a False sends the page to a transfer thread, whose ``admit``
+        makes room, so no step waits for an eviction."""
         if self.clock() - self._counted_at > self.refresh_seconds:
             self.start_background()
-        if self._try_reserve(nbytes):
+        return self._try_reserve(nbytes)
+
+    def _admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes]) -> bool:
+        if self.admit_now(nbytes):
             return True
         if not self._evicting.acquire(timeout=self.max_wait_seconds):
             return False  # another thread is still making room: a late save is worth less than a free thread
