@@ -294,6 +294,12 @@ class Namespace:
             out.append(ok)
         return out
 
+    @property
+    def holds_unusable(self) -> bool:
+        """Whether a chunk that failed verification stays in place (``quarantine`` could not
+        move it): presence then takes ``contains_many``'s check, not a file's size alone."""
+        return bool(self._unusable)
+
     def _remembered_unusable(self, path: str) -> bool:
         """Whether ``path`` is a chunk that failed verification and could not be quarantined,
         unchanged since (see ``quarantine``)."""

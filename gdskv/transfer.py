@@ -304,10 +304,13 @@ class PageTransfer:
         pages the batch path cannot take (for ``_save``); the trailers the jobs' last pieces point
         into, which must outlive the writes. ``serving``: called on the serving loop's thread
         (``_later``), where a page the budget cannot take without evicting goes to ``_save`` on
-        a transfer thread too (``Budget.admit_now``)."""
+        a transfer thread too (``Budget.admit_now``), and the native writer looks for a stored
+        chunk itself (``ERR_PRESENT``), so this thread makes no system call per page."""
         ns = self.ns
         expected = ns.spec.group(group).bytes_per_page
-        present = ns.contains_many(group, [job[0] for job in jobs])
+        look_later = serving and not ns.holds_unusable
+        present = [False] * len(jobs) if look_later else ns.contains_many(group, [job[0] for job in jobs])
+        present_size = (ns.chunk_nbytes(group),) if look_later else ()
         budget = ns.store.budget
         native: list[int] = []
         work: list[tuple] = []
@@ -343,21 +346,29 @@ class PageTransfer:
             rel_dir, name = ns.chunk_location(group, key)
             tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.{next(self._tmp_seq):x}"
             outs = None if via is None else [(via.data_ptr(), via.numel())]
-            work.append((rel_dir, tmp, name, batchio.pieces_of(segments, trailer), self._auth_key is None, outs))
+            work.append((rel_dir, tmp, name, batchio.pieces_of(segments, trailer), self._auth_key is None, outs,
+                         *present_size))
             native.append(i)
         return native, work, rest, trailers
 
     def _settle_saves(self, group: int, jobs: Sequence[tuple], native: list[int], errs: Sequence[int],
                       out: list[Optional[SaveStatus]]) -> list[int]:
         """After the native writes of ``_prepare_saves``: ``out[i]`` PUBLISHED for each page whose
-        chunk is in place, counted and told to the budget; the indices of those that failed there
-        (a full disk, something in the way: for ``_save_failed``)."""
+        chunk is in place, counted and told to the budget, EXISTS for each the writer found
+        stored already; the indices of those that failed there (a full disk, something in the
+        way: for ``_save_failed``)."""
         ns = self.ns
         budget = ns.store.budget
         expected = ns.spec.group(group).bytes_per_page
         failed: list[int] = []
         published = 0
         for i, err in zip(native, errs):
+            if err == batchio.ERR_PRESENT:
+                ns.counters.add("saves_exists")
+                out[i] = SaveStatus.EXISTS
+                if budget is not None:
+                    budget.on_present(expected + fmt.TRAILER_BYTES)
+                continue
             if err:
                 failed.append(i)
                 continue

@@ -259,6 +259,17 @@ def test_saves_posted_from_the_serving_thread_never_evict_there(rig: _Rig, monke
     assert rig.ns.counters["evicted"] >= 18
 
 
+def test_a_save_found_stored_already_gives_its_reservation_back(rig: _Rig) -> None:
+    budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=10 * CHUNK))
+    assert budget.counted.wait(10)
+    tokens = list(range(8))
+    assert rig.save_chain(tokens) == [SaveStatus.PUBLISHED] * 4
+    used = budget.used_bytes
+    assert used == 4 * CHUNK
+    assert rig.save_chain(tokens) == [SaveStatus.EXISTS] * 4
+    assert budget.used_bytes == used
+
+
 def test_budget_evicts_least_recent_chain_first(rig: _Rig) -> None:
     install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=8 * CHUNK))
     rig.store.budget.headroom = 0.0

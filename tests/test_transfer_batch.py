@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cache_helpers import drop_cached
+from gdskv import format as fmt
 from gdskv.io import batch as batchio
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
@@ -51,6 +52,28 @@ def test_a_batch_round_trips_with_one_future_per_page_in_order(store_path):
     loaded = x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(24)])
     assert [f.result() for f in loaded] == [LoadStatus.LOADED] * 24
     assert torch.equal(src, dst)
+    x.close()
+
+
+def test_a_stored_chunk_is_left_as_it_is_and_a_wrong_sized_one_replaced(store_path):
+    """Saves of pages stored already are EXISTS and write nothing (the native writer looks for
+    the chunk itself); a chunk of the wrong size at the name is no stored page and is replaced."""
+    x = make(store_path)
+    src = pool(3, 7)
+    assert [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(2)])] == \
+        [SaveStatus.PUBLISHED] * 2
+    kept, cut = Path(x.ns.chunk_path(0, KEYS[0])), Path(x.ns.chunk_path(0, KEYS[1]))
+    before = kept.stat()
+    cut.write_bytes(cut.read_bytes()[:-1])
+    got = [f.result() for f in x.save_pages(0, [(KEYS[i], None, [src[i]]) for i in range(3)])]
+    assert got == [SaveStatus.EXISTS, SaveStatus.PUBLISHED, SaveStatus.PUBLISHED]
+    assert (kept.stat().st_ino, kept.stat().st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert cut.stat().st_size == x.ns.chunk_nbytes(0)
+    assert x.ns.counters["saves_exists"] == 1
+    assert not [p for p in Path(x.ns.array_path(0)).rglob("*") if p.is_file() and fmt.TMP_MARK in p.name]
+    dst = torch.zeros(3, PAGE, dtype=torch.uint8)
+    assert [f.result() for f in x.load_pages(0, [(KEYS[i], [dst[i]]) for i in range(3)])] == [LoadStatus.LOADED] * 3
+    assert torch.equal(dst, src)
     x.close()
 
 

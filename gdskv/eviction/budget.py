@@ -181,16 +181,26 @@ class Budget:
             self.journal.append(records(PUBLISH, ns.id, group, np.uint64(chunk_index_of(ns.id, group, key)), p,
                                         st.st_size, st.st_mtime_ns, 0, at))
         with self._state:
-            for i, (_, n) in enumerate(self._inflight):
-                if n == nbytes:
-                    del self._inflight[i]
-                    self._inflight_bytes -= n
-                    self._inflight_blocks -= self._blocks(n)
-                    break
+            self._unreserve(nbytes)
             if self._used is not None:
                 self._used += nbytes
             if self._counting:
                 self._published_while_counting += nbytes
+
+    def on_present(self, nbytes: int) -> None:
+        """A save admitted (``admit_now``) found its chunk stored already and wrote nothing: its
+        reservation ends. Called by ``PageTransfer`` when a native write reports the chunk present."""
+        with self._state:
+            self._unreserve(nbytes)
+
+    def _unreserve(self, nbytes: int) -> None:
+        """End one reservation of ``nbytes`` (caller holds ``_state``)."""
+        for i, (_, n) in enumerate(self._inflight):
+            if n == nbytes:
+                del self._inflight[i]
+                self._inflight_bytes -= n
+                self._inflight_blocks -= self._blocks(n)
+                return
 
     def on_touched(self, ns: Namespace, group: int, keys: Sequence[bytes], mtimes: Sequence[int], lease_until_ns: int) -> None:
         """A lookup set these chunks' mtime (recency) and lease: journal it, so that the index

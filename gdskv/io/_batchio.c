@@ -33,13 +33,16 @@
  *   virtio disks; a page boundary where the kernel does not say).
  * write_chunks(root_fd, jobs, crc_fn, file_mode, chmod, sync, direct, threads, ..., dir_mode,
  *   dir_chmod) -> list[err]
- *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces[, seal[, outs]]), ...]; writes the pieces
+ *   jobs: [(dir: bytes, tmp: bytes, name: bytes, pieces[, seal[, outs[, present]]]), ...]; writes the pieces
  *   end to end into dir/tmp (created exclusively), optionally fsyncs it, and renames it to
  *   dir/name. A job with seal true is sealed first (seal(), or stage_sealed in the pass that
  *   stages it): its last piece, a trailer packed with a zero payload checksum, gets the payload's
  *   CRC32C and its own, so no Python reads the page. outs (optional, None, or the payload's
  *   length in all): where the payload is copied too, in that same pass (the host tier's buffer
- *   for a page saved through it); a job that then fails leaves them filled but unused. A missing dir is made first, with its parents (dir_mode,
+ *   for a page saved through it); a job that then fails leaves them filled but unused. present
+ *   (optional, 0: none): the size of a stored chunk; where dir/name is a regular file of that size
+ *   (not a link) the job writes nothing and ends in ERR_PRESENT, so the serving loop that posts a
+ *   save need not look first. A missing dir is made first, with its parents (dir_mode,
  *   or -1: ENOENT instead), so the first saves into a new store take this path too.
  *   direct: the file's whole 4 KiB blocks go out with O_DIRECT (from the pieces where they are
  *   aligned, as reads judge it, else from an aligned staging copy) and, once that write
@@ -112,6 +115,7 @@
 #define MAX_THREADS 64
 #define ERR_SHORT (-1)   /* the file ended before every byte was read */
 #define ERR_NOT_REGULAR (-2)
+#define ERR_PRESENT (-3)  /* write: the chunk was stored already (the job's `present` size), nothing written */
 #define STEP (64 * 1024)  /* bytes checksummed, then copied, while they are in the core's cache */
 #define READ_STEP (256 * 1024)  /* bytes read through the page cache, then checksummed and copied */
 #define TRAILER_BYTES 128
@@ -138,6 +142,7 @@ typedef struct {
     int outs_cold;    /* read: copy into outs only when the chunk is not served by the page cache */
     int copied;       /* read: the payload was copied into outs */
     int seal;         /* write: the last piece is a trailer whose checksums are filled in here (seal()) */
+    long long present; /* write: 0, or the size of a stored chunk: a regular file of it at name is left as it is */
 } job_t;
 
 struct cachestat_range { uint64_t off, len; };
@@ -638,6 +643,13 @@ static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sy
         j->err = errno;
         return;
     }
+    struct stat st;
+    if (j->present && fstatat(dfd, j->name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+        st.st_size == j->present) {
+        j->err = ERR_PRESENT;
+        close(dfd);
+        return;
+    }
     int fd = openat(dfd, j->tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, file_mode);
     if (fd < 0) {
         j->err = errno;
@@ -842,7 +854,8 @@ static job_t *parse_jobs(PyObject *list, Py_ssize_t *count, int writes) {
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *t = PySequence_Fast_GET_ITEM(fast, i);
         PyObject *path, *tmp = NULL, *name = NULL, *pieces, *outs = NULL, *expect = NULL;
-        int ok = writes ? PyArg_ParseTuple(t, "SSSO|pO", &path, &tmp, &name, &pieces, &jobs[i].seal, &outs)
+        int ok = writes ? PyArg_ParseTuple(t, "SSSO|pOL", &path, &tmp, &name, &pieces, &jobs[i].seal, &outs,
+                                           &jobs[i].present)
                         : PyArg_ParseTuple(t, "SO|OOp", &path, &pieces, &outs, &expect, &jobs[i].outs_cold);
         if (!ok || !(jobs[i].path = copy_bytes(path)) || (writes && (!(jobs[i].tmp = copy_bytes(tmp)) ||
             !(jobs[i].name = copy_bytes(name)))) || parse_pieces(pieces, jobs[i].pieces, &jobs[i].npieces) < 0 ||
@@ -1546,6 +1559,7 @@ PyMODINIT_FUNC PyInit__batchio(void) {
     if (m) {
         PyModule_AddIntConstant(m, "ERR_SHORT", ERR_SHORT);
         PyModule_AddIntConstant(m, "ERR_NOT_REGULAR", ERR_NOT_REGULAR);
+        PyModule_AddIntConstant(m, "ERR_PRESENT", ERR_PRESENT);
         PyModule_AddIntConstant(m, "MAX_PIECES", MAX_PIECES);
     }
     return m;

@@ -28,6 +28,7 @@ ALIGN = 4096
 _EXPECT_HEAD = struct.Struct("<II")
 ERR_SHORT = -1
 ERR_NOT_REGULAR = -2
+ERR_PRESENT = -3  # a write job's chunk was stored already (its ``present`` size): nothing written
 MAX_PIECES = 64
 _UNSUPPORTED = (errno.ENOSYS, errno.EPERM)  # no openat2 (old kernel, seccomp): per-page path for good
 
@@ -168,7 +169,9 @@ def write_chunks(root_fd: int, jobs: Sequence[tuple], file_mode: int,
     payload checksum, gets the payload's CRC32C and its own (as ``gdskv.format.pack`` makes
     them), so no Python thread checksums the page. A job ``(dir, tmp, name, pieces, seal, outs)``
     also has its payload copied into ``outs`` (pieces of the payload's length in all: the host
-    tier's buffer for the page) in that same pass. Called by ``PosixEngine``."""
+    tier's buffer for the page) in that same pass. A job ``(..., outs, present)`` with ``present``
+    the size of a stored chunk writes nothing where a regular file of that size already has the
+    name, and ends in ``ERR_PRESENT``. Called by ``PosixEngine``."""
     errs = _batchio.write_chunks(root_fd, [(d.encode(), t.encode(), n.encode(), *rest) for d, t, n, *rest in jobs],
                                  _CRC, file_mode, chmod, sync, direct, threads, *staging,
                                  -1 if dir_mode is None else dir_mode, dir_chmod)
