@@ -211,6 +211,27 @@ def pack(t: Trailer) -> bytes:
     return _HEAD_V2.pack(MAGIC, 2, t.flags, t.layer_group, t.payload_nbytes, own, t.payload_crc) + body
 
 
+_UNSEALED_V2 = struct.Struct("<8sHHIIIQ32s32s32s")  # _HEAD_V2, then store key, block key, parent key
+
+
+def pack_unsealed_into(buf: bytearray, offset: int, layer_group: int, payload_nbytes: int, store_key: bytes,
+                       block_key: bytes, parent_key: Optional[bytes]) -> None:
+    """``pack`` of a version 2 CRC32C trailer with both checksums zero, written at ``offset`` of
+    ``buf``: what the native writer seals (``gdskv.io.batch.write_chunks`` fills in the payload's
+    CRC32C and the trailer's own). Called by ``PageTransfer`` for each page of a step's saves, on
+    the serving loop's thread: no ``Trailer`` and no checksum of its own. Raises ``ValueError``
+    where ``pack`` would."""
+    key_len = len(block_key)
+    if key_len not in (8, 32) or (parent_key is not None and len(parent_key) != key_len) or len(store_key) != 32:
+        raise ValueError(f"trailer: keys of {key_len}, {None if parent_key is None else len(parent_key)} and "
+                         f"{len(store_key)} bytes (block and parent 8 or 32 alike, store key 32)")
+    if not 0 <= payload_nbytes <= MAX_PAYLOAD_V2 or not 0 <= layer_group < 1 << 32:
+        raise ValueError(f"trailer: a page of {payload_nbytes} bytes in layer group {layer_group} cannot be written")
+    flags = (key_len << 8) | (FLAG_HAS_PARENT if parent_key is not None else 0) | (CHECKSUM_CRC32C << _ALGO_SHIFT)
+    _UNSEALED_V2.pack_into(buf, offset, MAGIC, 2, flags, layer_group, payload_nbytes, 0, 0, store_key, block_key,
+                           parent_key or b"")
+
+
 def unpack(raw) -> Trailer:
     """Parse and self-check a trailer (version 1 or 2); raises ``ChunkFormatError`` saying what is
     wrong, and no other exception, whatever the 128 bytes are."""

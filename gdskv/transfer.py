@@ -298,11 +298,11 @@ class PageTransfer:
                        serving: bool = False) -> tuple[list[int], list[tuple], list[int], list[bytearray]]:
         """Sort a slice of saves (``(key, parent, segments, via)`` each): ``out[i]`` set for
         pages already stored (EXISTS) or refused by the budget (DROPPED); the native write jobs of
-        the rest, their trailers packed with a zero payload checksum for the native side to seal
-        (``gdskv.io.batch.write_chunks``), or sealed here where an auth key asks for a MAC, and
-        their ``via`` buffers as the payload's copy-out; the indices of the native jobs and of the
-        pages the batch path cannot take (for ``_save``); the trailers the jobs' last pieces point
-        into, which must outlive the writes. ``serving``: called on the serving loop's thread
+        the rest, their trailers packed end to end in one buffer with zero checksums for the
+        native side to seal (``fmt.pack_unsealed_into``, ``gdskv.io.batch.write_chunks``), or
+        sealed here where an auth key asks for a MAC, and their ``via`` buffers as the payload's
+        copy-out; the indices of the native jobs and of the pages the batch path cannot take (for
+        ``_save``); that buffer (in a list), which must outlive the writes. ``serving``: called on the serving loop's thread
         (``_later``), where a page the budget cannot take without evicting goes to ``_save`` on
         a transfer thread too (``Budget.admit_now``), and the native writer looks for a stored
         chunk itself (``ERR_PRESENT``), so this thread makes no system call per page."""
@@ -315,7 +315,8 @@ class PageTransfer:
         native: list[int] = []
         work: list[tuple] = []
         rest: list[int] = []
-        trailers: list[bytearray] = []
+        block = bytearray(fmt.TRAILER_BYTES * max(1, len(jobs)))  # the native jobs' trailers, end to end
+        base = batchio.address_of(block)
         for i, (key, parent, segments, via) in enumerate(jobs):
             if sum(t.numel() * t.element_size() for t in segments) != expected or \
                     (via is not None and via.numel() * via.element_size() != expected):
@@ -337,19 +338,21 @@ class PageTransfer:
                 out[i] = SaveStatus.DROPPED
                 continue
             skey = ns.store_key(group, key)
+            at = fmt.TRAILER_BYTES * len(native)
             if self._auth_key is not None:
-                trailer = bytearray(checksum.seal(segments, group=group, store_key=skey, block_key=key, parent_key=parent,
-                                                  algo=fmt.CHECKSUM_CRC32C, auth_key=self._auth_key))
+                block[at:at + fmt.TRAILER_BYTES] = checksum.seal(segments, group=group, store_key=skey, block_key=key,
+                                                                 parent_key=parent, algo=fmt.CHECKSUM_CRC32C,
+                                                                 auth_key=self._auth_key)
             else:
-                trailer = bytearray(fmt.pack(fmt.Trailer(group, expected, 0, skey, key, parent, fmt.CHECKSUM_CRC32C)))
-            trailers.append(trailer)
+                fmt.pack_unsealed_into(block, at, group, expected, skey, key, parent)
             rel_dir, name = ns.chunk_location(group, key)
             tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.{next(self._tmp_seq):x}"
             outs = None if via is None else [(via.data_ptr(), via.numel())]
-            work.append((rel_dir, tmp, name, batchio.pieces_of(segments, trailer), self._auth_key is None, outs,
-                         *present_size))
+            pieces = [(t.data_ptr(), t.nbytes) for t in segments]
+            pieces.append((base + at, fmt.TRAILER_BYTES))
+            work.append((rel_dir, tmp, name, pieces, self._auth_key is None, outs, *present_size))
             native.append(i)
-        return native, work, rest, trailers
+        return native, work, rest, [block]
 
     def _settle_saves(self, group: int, jobs: Sequence[tuple], native: list[int], errs: Sequence[int],
                       out: list[Optional[SaveStatus]]) -> list[int]:

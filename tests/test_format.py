@@ -78,6 +78,30 @@ def test_pack_refuses_what_it_cannot_write(t, why):
         fmt.pack(t)
 
 
+@pytest.mark.parametrize("block_key, parent_key", [(BK8, None), (BK8, b"p" * 8), (b"k" * 32, None), (b"k" * 32, b"p" * 32)])
+def test_an_unsealed_trailer_is_packs_but_for_its_checksums_and_seals_to_it(block_key, parent_key):
+    """What the native writer seals (``pack_unsealed_into``) is ``pack``'s trailer but for its two
+    checksums, and sealed as the writer seals it (payload CRC at 24, own CRC at 20) it is ``pack``'s."""
+    buf = bytearray(b"\xee" * 3 * fmt.TRAILER_BYTES)
+    fmt.pack_unsealed_into(buf, fmt.TRAILER_BYTES, 7, 262144, SK, block_key, parent_key)
+    got = bytes(buf[fmt.TRAILER_BYTES:2 * fmt.TRAILER_BYTES])
+    assert buf[:fmt.TRAILER_BYTES] == buf[2 * fmt.TRAILER_BYTES:] == b"\xee" * fmt.TRAILER_BYTES
+    packed = fmt.pack(fmt.Trailer(7, 262144, 0, SK, block_key, parent_key, fmt.CHECKSUM_CRC32C))
+    assert got == packed[:20] + bytes(4) + packed[24:]
+    sealed = got[:24] + struct.pack("<Q", 0x1234ABCD) + got[32:]
+    sealed = sealed[:20] + struct.pack("<I", google_crc32c.value(sealed)) + sealed[24:]
+    assert sealed == fmt.pack(fmt.Trailer(7, 262144, 0x1234ABCD, SK, block_key, parent_key, fmt.CHECKSUM_CRC32C))
+
+
+@pytest.mark.parametrize("fields", [
+    (0, 1 << 32, SK, BK8, None), (1 << 32, 10, SK, BK8, None), (0, 10, SK, b"x" * 16, None),
+    (0, 10, SK, BK8, b"p" * 32), (0, 10, b"short", BK8, None),
+])
+def test_pack_unsealed_refuses_what_pack_refuses(fields):
+    with pytest.raises(ValueError, match="trailer"):
+        fmt.pack_unsealed_into(bytearray(fmt.TRAILER_BYTES), 0, *fields)
+
+
 def _refix(raw: bytes) -> bytes:
     """Recompute a mutated trailer's own CRC where its version says it lives, so mutations reach
     the checks behind the CRC."""

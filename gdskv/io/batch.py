@@ -249,10 +249,16 @@ def host_pages(tensors: Sequence) -> bool:
     return len(tensors) < MAX_PIECES and all(t.is_cpu and t.is_contiguous() for t in tensors)
 
 
+def address_of(buf: bytearray) -> int:
+    """The address of a (non-empty) bytearray's bytes, valid while it lives and keeps its size:
+    where a native job's trailer piece points (``PageTransfer`` packs a step's trailers into one)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
 def pieces_of(tensors: Sequence, trailer: bytearray) -> Optional[list[Piece]]:
     """The pieces of a page's tensors and its trailer, or None when ``host_pages`` refuses them."""
     if not host_pages(tensors):
         return None
     out = [(t.data_ptr(), t.nbytes) for t in tensors]
-    out.append((ctypes.addressof(ctypes.c_char.from_buffer(trailer)), len(trailer)))
+    out.append((address_of(trailer), len(trailer)))
     return out
