@@ -268,6 +268,25 @@ class Namespace:
         makes their paths itself."""
         return store_key_run(self.id, group, keys)
 
+    def chunk_mtimes(self, group: int, keys: Sequence[bytes], size: int) -> list[Optional[int]]:
+        """The mtime (ns) of each key's chunk where it is a regular file (never a link) of
+        ``size`` bytes, else None: one native call where the batch path works, resolved beneath
+        the root as ``contains_many`` resolves it. Called by ``Budget.on_published_many`` for the
+        chunks a step's saves published."""
+        if batchio.available():
+            got = batchio.chunk_mtimes(self.store.fs.fd, self.array_relpath(group), self.store_key_run(group, keys), size)
+            if got is not None:
+                return got
+        out: list[Optional[int]] = []
+        for key in keys:
+            try:
+                st = self.store.fs.lstat(self.chunk_path(group, key))
+            except OSError:
+                out.append(None)
+                continue
+            out.append(st.st_mtime_ns if stat.S_ISREG(st.st_mode) and st.st_size == size else None)
+        return out
+
     def contains_many(self, group: int, keys: Sequence[bytes]) -> list[bool]:
         """Presence of each key's chunk: a regular file (never a link) of the size a complete
         chunk has. One ``stat`` per key: cost is flat in the store's size. Payload checks

@@ -364,7 +364,7 @@ class PageTransfer:
         budget = ns.store.budget
         expected = ns.spec.group(group).bytes_per_page
         failed: list[int] = []
-        published = 0
+        published: list[tuple[bytes, Optional[bytes]]] = []
         for i, err in zip(native, errs):
             if err == batchio.ERR_PRESENT:
                 ns.counters.add("saves_exists")
@@ -375,14 +375,13 @@ class PageTransfer:
             if err:
                 failed.append(i)
                 continue
-            key, parent = jobs[i][:2]
-            published += 1
+            published.append(jobs[i][:2])
             out[i] = SaveStatus.PUBLISHED
-            if budget is not None:
-                budget.on_published(ns, group, key, parent, expected + fmt.TRAILER_BYTES)
         if published:
-            ns.counters.add("saves_published", published)
-            ns.counters.add("bytes_written", published * expected)
+            if budget is not None:
+                budget.on_published_many(ns, group, published, expected + fmt.TRAILER_BYTES)
+            ns.counters.add("saves_published", len(published))
+            ns.counters.add("bytes_written", len(published) * expected)
         return failed
 
     def _save_failed(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor],

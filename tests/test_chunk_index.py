@@ -25,6 +25,7 @@ from gdskv.cli.main import main as cli_main
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import catalog, install_budget, scan_store
 from gdskv.eviction.journal import JOURNAL_DIR, PUBLISH, RECORD, REMOVE, TOUCH, records
+from gdskv.eviction.policy import NO_PARENT
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, Namespace, NamespaceSpec, PageStore
@@ -106,6 +107,39 @@ def test_apply_matches_a_model(ops: list[tuple[int, int, int, int]], base: list[
         got[(out.arrays[a][1], i)] = (nb, mt)
     assert got == model
     assert np.all(np.diff(out.cols["array"]) >= 0)
+
+
+def test_chunk_indexes_of_a_run_are_each_keys_chunk_index(tmp_path: Path) -> None:
+    ns = PageStore.open(tmp_path / "store").namespace(NamespaceSpec("idx/m", "uint8", 2, (GroupSpec(3, 64, (0,)),)))
+    keys = [os.urandom(32) for _ in range(300)] + [os.urandom(8) for _ in range(5)]
+    got = ev.index.chunk_indexes(ns, 3, keys)
+    assert got.dtype == np.uint64
+    assert got.tolist() == [ev.index.chunk_index_of(ns.id, 3, k) for k in keys]
+    assert ev.index.chunk_indexes(ns, 3, []).tolist() == []
+
+
+def test_a_steps_published_saves_are_journaled_as_their_files_are(tmp_path: Path) -> None:
+    """One record batch for a step's saves: each chunk's index, its parent's, its size and its
+    file's mtime; a chunk removed before the step is reaped is not journaled."""
+    s = _Server(tmp_path / "store", 1000)
+    try:
+        keys = chain_keys(list(range(12)), TPB)
+        pages = [torch.full((PAGE,), i, dtype=torch.uint8) for i in range(len(keys))]
+        futures = s.xfer.save_pages(0, [(k, keys[i - 1] if i else None, [pages[i]]) for i, k in enumerate(keys)])
+        assert [f.result() for f in futures] == [SaveStatus.PUBLISHED] * 6
+        recs, _ = ev.journal.read_journals(s.store, {})
+        recs = recs[recs["kind"] == PUBLISH]
+        assert recs["index"].tolist() == [ev.index.chunk_index_of(s.ns.id, 0, k) for k in keys]
+        assert recs["parent"].tolist() == [int(NO_PARENT)] + [ev.index.chunk_index_of(s.ns.id, 0, k) for k in keys[:-1]]
+        assert set(recs["nbytes"].tolist()) == {CHUNK}
+        assert recs["mtime"].tolist() == [os.lstat(s.ns.chunk_path(0, k)).st_mtime_ns for k in keys]
+        before = len(recs)
+        more = chain_keys(list(range(100, 104)), TPB)
+        s.budget.on_published_many(s.ns, 0, [(more[0], None)], CHUNK)  # never written: nothing to journal
+        recs, _ = ev.journal.read_journals(s.store, {})
+        assert int((recs["kind"] == PUBLISH).sum()) == before
+    finally:
+        s.close()
 
 
 # --- no walk on the serving path ----------------------------------------------------------------

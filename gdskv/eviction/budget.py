@@ -18,7 +18,7 @@ import numpy as np
 
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import catalog
-from gdskv.eviction.index import chunk_index_of, rebuild_catalog
+from gdskv.eviction.index import chunk_indexes, rebuild_catalog
 from gdskv.eviction.journal import PUBLISH, TOUCH, journal_of, records
 from gdskv.eviction.policy import NO_PARENT, Limits, _norm, select_victims, shortfall
 from gdskv.eviction.removal import Removal, remove_chunks
@@ -169,23 +169,34 @@ class Budget:
         return done
 
     def on_published(self, ns: Namespace, group: int, key: bytes, parent: Optional[bytes], nbytes: int) -> None:
-        """A chunk was renamed into place: journal it (its parent, size and mtime) and count its
-        bytes as stored. Called by ``PageTransfer._save``."""
+        """A chunk was renamed into place (``on_published_many`` for one). Called by
+        ``PageTransfer._save`` and the remote tier's read-through."""
+        self.on_published_many(ns, group, [(key, parent)], nbytes)
+
+    def on_published_many(self, ns: Namespace, group: int, chunks: Sequence[tuple[bytes, Optional[bytes]]],
+                          nbytes: int) -> None:
+        """Chunks of ``nbytes`` each, ``(key, parent)``, were renamed into place: journal them
+        (parent, size and mtime) in one record batch and count their bytes as stored. Called by
+        ``PageTransfer`` for a step's saves that published, on the thread that reaps them (the
+        serving loop's): one native call finds their mtimes, one record batch journals them."""
+        if not chunks:
+            return
         at = time.time_ns()
-        try:
-            st = self.store.fs.lstat(ns.chunk_path(group, key))
-        except OSError:
-            st = None  # already gone again: nothing to journal
-        if st is not None:
-            p = NO_PARENT if parent is None else np.uint64(chunk_index_of(ns.id, group, parent))
-            self.journal.append(records(PUBLISH, ns.id, group, np.uint64(chunk_index_of(ns.id, group, key)), p,
-                                        st.st_size, st.st_mtime_ns, 0, at))
+        mtimes = ns.chunk_mtimes(group, [key for key, _ in chunks], nbytes)
+        found = [(key, parent, mtime) for (key, parent), mtime in zip(chunks, mtimes) if mtime is not None]
+        if found:  # a chunk gone again (or replaced) by now has nothing to journal
+            parents = np.full(len(found), NO_PARENT, dtype=np.uint64)
+            with_parent = [i for i, (_, parent, _) in enumerate(found) if parent is not None]
+            parents[with_parent] = chunk_indexes(ns, group, [found[i][1] for i in with_parent])
+            self.journal.append(records(PUBLISH, ns.id, group, chunk_indexes(ns, group, [key for key, _, _ in found]),
+                                        parents, nbytes, np.array([m for _, _, m in found], dtype=np.int64), 0, at))
         with self._state:
-            self._unreserve(nbytes)
+            for _ in chunks:
+                self._unreserve(nbytes)
             if self._used is not None:
-                self._used += nbytes
+                self._used += nbytes * len(chunks)
             if self._counting:
-                self._published_while_counting += nbytes
+                self._published_while_counting += nbytes * len(chunks)
 
     def on_present(self, nbytes: int) -> None:
         """A save admitted (``admit_now``) found its chunk stored already and wrote nothing: its
@@ -206,8 +217,7 @@ class Budget:
         """A lookup set these chunks' mtime (recency) and lease: journal it, so that the index
         ranks them by their last use. Called by ``Namespace.lease_many``."""
         if keys:
-            idx = np.array([chunk_index_of(ns.id, group, k) for k in keys], dtype=np.uint64)
-            self.journal.append(records(TOUCH, ns.id, group, idx, mtime=np.asarray(mtimes, dtype=np.int64), lease=lease_until_ns))
+            self.journal.append(records(TOUCH, ns.id, group, chunk_indexes(ns, group, keys), mtime=np.asarray(mtimes, dtype=np.int64), lease=lease_until_ns))
 
     def pin(self, path: str) -> None:
         """A load of ``path`` starts: the chunk is not evicted until ``unpin``. Called by

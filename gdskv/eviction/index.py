@@ -37,6 +37,16 @@ def chunk_index_of(ns_id: str, group: int, key: bytes) -> int:
     return (hi << fmt.LO_BITS) | lo
 
 
+def chunk_indexes(ns: Namespace, group: int, keys: Sequence[bytes]) -> np.ndarray:
+    """``chunk_index_of`` of each key at once (``uint64``): the keys' store keys in one native
+    run (``Namespace.store_key_run``), each index their leading bits. Called by ``Budget`` for
+    the chunks a lookup touched and a step's saves published."""
+    if not keys:
+        return np.zeros(0, dtype=np.uint64)
+    leads = np.frombuffer(ns.store_key_run(group, keys), dtype=">u8")[::4].astype(np.uint64)
+    return leads >> np.uint64(64 - fmt.HI_BITS - fmt.LO_BITS)
+
+
 
 def _arrays(store: PageStore, namespaces: Optional[Sequence[Namespace | str]]) -> list[ArrayRef]:
     """The arrays to scan: every array directory on disk (``PageStore.arrays``, damaged namespaces

@@ -55,7 +55,9 @@
  *   lease_many), one call per lookup, named by the chunks' store keys (one bytes object) beneath
  *   their array directory, which is resolved once; each chunk's directory beneath it without
  *   following a link; a long lookup runs on up to PATH_THREADS threads (one per
- *   PATHS_PER_THREAD keys).
+ *   PATHS_PER_THREAD keys). chunk_mtimes(root_fd, base, skeys, hi_bits, lo_bits, size) finds
+ *   them the same way and gives each one's mtime (the budget journals a step's published chunks
+ *   with it: gdskv.eviction.Budget.on_published_many).
  * copy_many(copies, threads): host-memory copies [(dst, src, length), ...] in 1 MiB pieces on
  *   that many threads, the GIL released (host-tier hits into plain host memory).
  * dio_alignment(fd) -> (memory, offset, in_place) | None: what statx says O_DIRECT asks of
@@ -1058,6 +1060,41 @@ static PyObject *stat_chunks(PyObject *self, PyObject *args) {
     return out;
 }
 
+typedef struct { long long size; long long *mtimes; } times_t;
+
+static signed char chunk_time(int dfd, const char *name, Py_ssize_t i, const void *ctx) {
+    const times_t *t = ctx;
+    struct stat st;
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) || st.st_size != t->size) return 0;
+    t->mtimes[i] = (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+    return 1;
+}
+
+/* chunk_mtimes(root_fd, base, skeys, hi_bits, lo_bits, size) -> [mtime_ns | -1 | -2]: each store
+ * key's chunk found as stat_chunks finds it, its mtime in nanoseconds where it is a regular file
+ * of `size` bytes, -1 where it is not, -2 where openat2 is refused (see `answers`). */
+static PyObject *chunk_mtimes(PyObject *self, PyObject *args) {
+    int root, hi_bits, lo_bits;
+    const char *base;
+    Py_buffer skeys;
+    times_t t;
+    if (!PyArg_ParseTuple(args, "iyy*iiL", &root, &base, &skeys, &hi_bits, &lo_bits, &t.size)) return NULL;
+    Py_ssize_t n = skeys.len / 32;
+    t.mtimes = calloc(n ? n : 1, sizeof *t.mtimes);
+    PyObject *ok = t.mtimes ? each_key(root, base, &skeys, hi_bits, lo_bits, chunk_time, &t) : PyErr_NoMemory();
+    PyBuffer_Release(&skeys);
+    PyObject *out = ok ? PyList_New(n) : NULL;
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        long v = PyLong_AsLong(PyList_GET_ITEM(ok, i));
+        PyObject *item = PyLong_FromLongLong(v == 1 ? t.mtimes[i] : v == 0 ? -1 : -2);
+        if (!item) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, item);
+    }
+    Py_XDECREF(ok);
+    free(t.mtimes);
+    return out;
+}
+
 typedef struct { long long atime, mtime, size; int check; } lease_t;
 
 static signed char lease_one(int dfd, const char *name, Py_ssize_t i, const void *ctx) {
@@ -1540,6 +1577,7 @@ static PyTypeObject CompletionsType = {
 
 static PyMethodDef methods[] = {
     {"stat_chunks", stat_chunks, METH_VARARGS, "Whether each store key's chunk is a regular file of the size."},
+    {"chunk_mtimes", chunk_mtimes, METH_VARARGS, "Each store key's chunk's mtime in ns, where it is a regular file of the size."},
     {"lease_chunks", lease_chunks, METH_VARARGS, "Set times of each store key's chunk (see the module source)."},
     {"copy_many", copy_many, METH_VARARGS, "Host-memory copies (dst, src, length) on this many threads."},
     {"copy_device", copy_device, METH_VARARGS, "Host/device copies (dst, src, length) queued on a CUDA stream."},
