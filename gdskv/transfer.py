@@ -302,15 +302,17 @@ class PageTransfer:
         native side to seal (``fmt.pack_unsealed_into``, ``gdskv.io.batch.write_chunks``), or
         sealed here where an auth key asks for a MAC, and their ``via`` buffers as the payload's
         copy-out; the indices of the native jobs and of the pages the batch path cannot take (for
-        ``_save``); that buffer (in a list), which must outlive the writes. ``serving``: called on the serving loop's thread
-        (``_later``), where a page the budget cannot take without evicting goes to ``_save`` on
-        a transfer thread too (``Budget.admit_now``), and the native writer looks for a stored
-        chunk itself (``ERR_PRESENT``), so this thread makes no system call per page."""
+        ``_save``); that buffer (in a list), which must outlive the writes. ``serving``: called on
+        the serving loop's thread (``_later``), where a page the budget cannot take without
+        evicting goes to ``_save`` on a transfer thread too (``Budget.admit_now``), and the native
+        writer looks for a stored chunk itself (``ERR_PRESENT``), so this thread makes no system
+        call per page."""
         ns = self.ns
         expected = ns.spec.group(group).bytes_per_page
+        chunk_bytes = ns.chunk_nbytes(group)
         look_later = serving and not ns.holds_unusable
         present = [False] * len(jobs) if look_later else ns.contains_many(group, [job[0] for job in jobs])
-        present_size = (ns.chunk_nbytes(group),) if look_later else ()
+        present_size = (chunk_bytes,) if look_later else ()
         budget = ns.store.budget
         native: list[int] = []
         work: list[tuple] = []
@@ -329,10 +331,10 @@ class PageTransfer:
             if not batchio.host_pages(segments) or self._checksum not in (None, fmt.CHECKSUM_CRC32C):
                 rest.append(i)
                 continue
-            if serving and budget is not None and not budget.admit_now(expected + fmt.TRAILER_BYTES):
-                rest.append(i)
+            if budget is not None and serving and not budget.admit_now(chunk_bytes):
+                rest.append(i)  # room takes an eviction: ``_save`` on a transfer thread makes it
                 continue
-            if not serving and budget is not None and not budget.admit(ns, group, expected + fmt.TRAILER_BYTES, parent):
+            if budget is not None and not serving and not budget.admit(ns, group, chunk_bytes, parent):
                 ns.counters.add("saves_dropped")
                 ns.counters.add("saves_dropped_budget")
                 out[i] = SaveStatus.DROPPED
@@ -709,8 +711,8 @@ class PageTransfer:
         between steps, so no Python thread competes with it for the interpreter while the pages
         move (a saved page is sealed natively too). Pages the batch path cannot take, saves the
         budget admits only after an eviction, and pages that fail in it, are redone on the
-        background pool. A caller blocked on one of the
-        futures hurries the reaper (``_hurried``)."""
+        background pool. A caller blocked on one of the futures hurries the reaper
+        (``_hurried``)."""
         futures = batch_futures(len(jobs), self._hurried)
         for fut in futures:
             fut.set_running_or_notify_cancel()

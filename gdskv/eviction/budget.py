@@ -217,7 +217,8 @@ class Budget:
         """A lookup set these chunks' mtime (recency) and lease: journal it, so that the index
         ranks them by their last use. Called by ``Namespace.lease_many``."""
         if keys:
-            self.journal.append(records(TOUCH, ns.id, group, chunk_indexes(ns, group, keys), mtime=np.asarray(mtimes, dtype=np.int64), lease=lease_until_ns))
+            self.journal.append(records(TOUCH, ns.id, group, chunk_indexes(ns, group, keys),
+                                        mtime=np.asarray(mtimes, dtype=np.int64), lease=lease_until_ns))
 
     def pin(self, path: str) -> None:
         """A load of ``path`` starts: the chunk is not evicted until ``unpin``. Called by

@@ -47,7 +47,6 @@ def chunk_indexes(ns: Namespace, group: int, keys: Sequence[bytes]) -> np.ndarra
     return leads >> np.uint64(64 - fmt.HI_BITS - fmt.LO_BITS)
 
 
-
 def _arrays(store: PageStore, namespaces: Optional[Sequence[Namespace | str]]) -> list[ArrayRef]:
     """The arrays to scan: every array directory on disk (``PageStore.arrays``, damaged namespaces
     included), or those of ``namespaces`` (``Namespace`` objects or namespace ids)."""
