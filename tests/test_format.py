@@ -79,7 +79,7 @@ def test_pack_refuses_what_it_cannot_write(t, why):
 
 
 @pytest.mark.parametrize("block_key, parent_key", [(BK8, None), (BK8, b"p" * 8), (b"k" * 32, None), (b"k" * 32, b"p" * 32)])
-def test_an_unsealed_trailer_is_packs_but_for_its_checksums_and_seals_to_it(block_key, parent_key):
+def test_an_unsealed_trailer_is_the_packed_one_but_for_its_checksums(block_key, parent_key):
     """What the native writer seals (``pack_unsealed_into``) is ``pack``'s trailer but for its two
     checksums, and sealed as the writer seals it (payload CRC at 24, own CRC at 20) it is ``pack``'s."""
     buf = bytearray(b"\xee" * 3 * fmt.TRAILER_BYTES)
