@@ -245,6 +245,9 @@ def test_a_corrupt_chunk_that_cannot_be_quarantined_is_a_miss_without_an_excepti
     assert ns.counters["quarantine_failed"] >= 1
     res = cli(str(store.root), "verify", "--repair")
     assert res.exit_code == 1 and "could not be quarantined" in res.output
+    # a chunk of the right size but remembered unusable is not a stored page: a save rewrites it
+    assert xfer.save_page(0, KEYS[1], KEYS[0], [page(1)]).result() is SaveStatus.PUBLISHED
+    assert load(xfer, 1) is LoadStatus.LOADED
 
 
 # --- defect 5: malformed namespace metadata ---------------------------------------------------------
