@@ -26,6 +26,7 @@ from gdskv.config import GdsKvConfig
 from gdskv.eviction import catalog, install_budget, scan_store
 from gdskv.eviction.journal import JOURNAL_DIR, PUBLISH, RECORD, REMOVE, TOUCH, records
 from gdskv.eviction.policy import NO_PARENT
+from gdskv.io import batch as batchio
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, Namespace, NamespaceSpec, PageStore
@@ -138,6 +139,23 @@ def test_a_steps_published_saves_are_journaled_as_their_files_are(tmp_path: Path
         s.budget.on_published_many(s.ns, 0, [(more[0], None)], CHUNK)  # never written: nothing to journal
         recs, _ = ev.journal.read_journals(s.store, {})
         assert int((recs["kind"] == PUBLISH).sum()) == before
+    finally:
+        s.close()
+
+
+def test_chunk_mtimes_are_the_files_with_and_without_the_native_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = _Server(tmp_path / "store", 1000)
+    try:
+        keys = chain_keys(list(range(6)), TPB)
+        assert _save(s.xfer, list(range(6))) == [SaveStatus.PUBLISHED] * 3
+        cut = Path(s.ns.chunk_path(0, keys[1]))
+        cut.write_bytes(cut.read_bytes()[:-1])
+        asked = keys + chain_keys([900, 901], TPB)  # the last one never saved
+        want = [os.lstat(s.ns.chunk_path(0, keys[0])).st_mtime_ns, None, os.lstat(s.ns.chunk_path(0, keys[2])).st_mtime_ns,
+                None]
+        assert s.ns.chunk_mtimes(0, asked, CHUNK) == want
+        monkeypatch.setattr(batchio, "_working", False)
+        assert s.ns.chunk_mtimes(0, asked, CHUNK) == want
     finally:
         s.close()
 
