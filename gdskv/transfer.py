@@ -304,9 +304,9 @@ class PageTransfer:
         copy-out; the indices of the native jobs and of the pages the batch path cannot take (for
         ``_save``); that buffer (in a list), which must outlive the writes. ``serving``: called on
         the serving loop's thread (``_later``), where a page the budget cannot take without
-        evicting goes to ``_save`` on a transfer thread too (``Budget.admit_now``), and the native
-        writer looks for a stored chunk itself (``ERR_PRESENT``), so this thread makes no system
-        call per page."""
+        evicting goes to ``_save`` on a transfer thread too (``Budget.admit_now``, once for the
+        slice), and the native writer looks for a stored chunk itself (``ERR_PRESENT``), so this
+        thread makes no system call per page."""
         ns = self.ns
         expected = ns.spec.group(group).bytes_per_page
         chunk_bytes = ns.chunk_nbytes(group)
@@ -319,21 +319,24 @@ class PageTransfer:
         rest: list[int] = []
         block = bytearray(fmt.TRAILER_BYTES * max(1, len(jobs)))  # the native jobs' trailers, end to end
         base = batchio.address_of(block)
+        admissible: list[int] = []
         for i, (key, parent, segments, via) in enumerate(jobs):
             if sum(t.numel() * t.element_size() for t in segments) != expected or \
                     (via is not None and via.numel() * via.element_size() != expected):
                 rest.append(i)  # ``_save`` raises the size error per page
-                continue
-            if present[i]:
+            elif present[i]:
                 ns.counters.add("saves_exists")
                 out[i] = SaveStatus.EXISTS
-                continue
-            if not batchio.host_pages(segments) or self._checksum not in (None, fmt.CHECKSUM_CRC32C):
+            elif not batchio.host_pages(segments) or self._checksum not in (None, fmt.CHECKSUM_CRC32C):
                 rest.append(i)
-                continue
-            if budget is not None and serving and not budget.admit_now(chunk_bytes):
-                rest.append(i)  # room takes an eviction: ``_save`` on a transfer thread makes it
-                continue
+            else:
+                admissible.append(i)
+        if budget is not None and serving:
+            admitted = budget.admit_now(chunk_bytes, len(admissible))
+            rest += admissible[admitted:]  # room takes an eviction: ``_save`` on a transfer thread makes it
+            admissible = admissible[:admitted]
+        for i in admissible:
+            key, parent, segments, via = jobs[i]
             if budget is not None and not serving and not budget.admit(ns, group, chunk_bytes, parent):
                 ns.counters.add("saves_dropped")
                 ns.counters.add("saves_dropped_budget")

@@ -323,6 +323,33 @@ def test_free_space_floor(rig: _Rig) -> None:
     assert rig.ns.counters["evicted"] > 0
 
 
+def test_a_steps_saves_ask_the_floor_once_and_take_the_room_there_is(rig: _Rig) -> None:
+    """``admit_now`` for a slice asks the file system once and admits the first pages that fit;
+    a step of saves posted on a store at its floor goes to a transfer thread, which evicts for it."""
+    capacity, asked = 20 * CHUNK, []
+
+    def fake_usage(path: str) -> tuple[int, int]:
+        asked.append(path)
+        return capacity, capacity - rig.stored_bytes()
+
+    budget = Budget(rig.store, Limits(min_free_percent=50.0), headroom=0.0, disk_usage=fake_usage, block_size=1)
+    rig.store.budget = budget
+    budget.refresh()  # the store counted (and indexed) now, not by a background thread during the test
+    budget._counted_at = budget.clock()
+    asked.clear()
+    assert budget.admit_now(CHUNK, 4) == 4 and len(asked) == 1
+    assert budget.admit_now(CHUNK, 20) == 6 and len(asked) == 2
+    assert budget.admit_now(CHUNK) == 0
+    for _ in range(10):
+        budget.on_present(CHUNK)  # nothing was written: the reservations end
+    assert rig.save_chain(list(range(20))) == [SaveStatus.PUBLISHED] * 10  # the store at its floor
+    keys = chain_keys(list(range(1000, 1012)), TPB)
+    futures = rig.xfer.save_pages(0, [(k, None, [torch.full((PAGE,), i, dtype=torch.uint8)]) for i, k in enumerate(keys)])
+    assert [f.result() for f in futures] == [SaveStatus.PUBLISHED] * 6
+    assert rig.stored_bytes() <= capacity // 2
+    assert rig.ns.counters["evicted"] >= 6
+
+
 def test_eviction_order_survives_reopen_through_mtime(tmp_path: Path) -> None:
     r = _Rig(tmp_path / "s")
     old, new = list(range(4)), list(range(50, 54))

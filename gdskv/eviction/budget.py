@@ -120,14 +120,15 @@ class Budget:
             self._log_error(f"gdskv: eviction in {self.store.root} failed, save dropped: {e}")
             return False
 
-    def admit_now(self, nbytes: int) -> bool:
-        """``admit`` without evicting or waiting: whether a chunk of ``nbytes`` fits now
-        (reserved as ``admit`` reserves it). Called by ``PageTransfer`` for saves it posts from
-        the serving loop's thread; a False sends the page to a transfer thread, whose ``admit``
-        makes room, so no step waits for an eviction."""
+    def admit_now(self, nbytes: int, count: int = 1) -> int:
+        """``admit`` without evicting or waiting, for ``count`` chunks of ``nbytes`` at once: how
+        many of them fit now (the first that many, reserved as ``admit`` reserves them; the file
+        system asked once). Called by ``PageTransfer`` for a step's saves it posts from the
+        serving loop's thread; the rest go to a transfer thread, whose ``admit`` makes room, so
+        no step waits for an eviction."""
         if self.clock() - self._counted_at > self.refresh_seconds:
             self.start_background()
-        return self._try_reserve(nbytes)
+        return self._try_reserve(nbytes, count)
 
     def _admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes]) -> bool:
         if self.admit_now(nbytes):
@@ -144,7 +145,7 @@ class Budget:
             need = self._need(nbytes)
             if need > 0:
                 self.evict(need, protect=[ns.chunk_path(group, parent)] if parent is not None else [])
-            return self._try_reserve(nbytes)
+            return self._try_reserve(nbytes) > 0
         finally:
             self._evicting.release()
 
@@ -292,28 +293,35 @@ class Budget:
             self._error_logged_at = now
             log.warning("%s", line)
 
-    def _need(self, nbytes: int) -> int:
-        total, free = self.disk_usage(str(self.store.root)) if self.limits.has_floor or self._used is None else (0, 0)
+    def _need(self, nbytes: int, usage: Optional[tuple[int, int]] = None) -> int:
+        """Bytes to free before ``nbytes`` more fit; ``usage``: the file system's ``(size, free)``
+        when the caller asked already."""
+        if usage is None:
+            usage = self.disk_usage(str(self.store.root)) if self.limits.has_floor or self._used is None else (0, 0)
+        total, free = usage
         used = self._used if self._used is not None else total - free  # the store is at most what the file system holds
         # saves in flight count as written, against the budget and against free space
         return shortfall(self.limits, used + self._inflight_bytes, total,
                          free - self._inflight_blocks * self._block, nbytes, self._block)
 
-    def _try_reserve(self, nbytes: int) -> bool:
-        """Count ``nbytes`` as in flight if they fit. A reservation ends at ``on_published``, or
-        after ``INFLIGHT_TTL_S`` (a save that failed after ``admit`` never publishes)."""
+    def _try_reserve(self, nbytes: int, count: int = 1) -> int:
+        """Count up to ``count`` chunks of ``nbytes`` as in flight, as many as fit (the file
+        system asked once); how many. A reservation ends at ``on_published``, or after
+        ``INFLIGHT_TTL_S`` (a save that failed after ``admit`` never publishes)."""
         with self._state:
             now = self.clock()
             while self._inflight and now - self._inflight[0][0] > INFLIGHT_TTL_S:
                 n = self._inflight.popleft()[1]
                 self._inflight_bytes -= n
                 self._inflight_blocks -= self._blocks(n)
-            if self._need(nbytes) > 0:
-                return False
-            self._inflight.append((now, nbytes))
-            self._inflight_bytes += nbytes
-            self._inflight_blocks += self._blocks(nbytes)
-            return True
+            usage = self.disk_usage(str(self.store.root)) if self.limits.has_floor or self._used is None else (0, 0)
+            for taken in range(count):
+                if self._need(nbytes, usage) > 0:
+                    return taken
+                self._inflight.append((now, nbytes))
+                self._inflight_bytes += nbytes
+                self._inflight_blocks += self._blocks(nbytes)
+            return count
 
     def _blocks(self, nbytes: int) -> int:
         return -(-nbytes // self._block)
