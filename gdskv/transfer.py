@@ -331,7 +331,7 @@ class PageTransfer:
                 rest.append(i)
             else:
                 admissible.append(i)
-        if budget is not None and serving:
+        if budget is not None and serving and admissible:
             admitted = budget.admit_now(chunk_bytes, len(admissible))
             rest += admissible[admitted:]  # room takes an eviction: ``_save`` on a transfer thread makes it
             admissible = admissible[:admitted]
