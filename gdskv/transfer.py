@@ -353,9 +353,8 @@ class PageTransfer:
             rel_dir, name = ns.chunk_location(group, key)
             tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.{next(self._tmp_seq):x}"
             outs = None if via is None else [(via.data_ptr(), via.numel())]
-            pieces = [(t.data_ptr(), t.nbytes) for t in segments]
-            pieces.append((base + at, fmt.TRAILER_BYTES))
-            work.append((rel_dir, tmp, name, pieces, self._auth_key is None, outs, *present_size))
+            work.append((rel_dir, tmp, name, batchio.pieces_at(segments, base + at), self._auth_key is None, outs,
+                         *present_size))
             native.append(i)
         return native, work, rest, [block]
 
@@ -368,6 +367,7 @@ class PageTransfer:
         ns = self.ns
         budget = ns.store.budget
         expected = ns.spec.group(group).bytes_per_page
+        chunk_bytes = ns.chunk_nbytes(group)
         failed: list[int] = []
         published: list[tuple[bytes, Optional[bytes]]] = []
         for i, err in zip(native, errs):
@@ -375,7 +375,7 @@ class PageTransfer:
                 ns.counters.add("saves_exists")
                 out[i] = SaveStatus.EXISTS
                 if budget is not None:
-                    budget.on_present(expected + fmt.TRAILER_BYTES)
+                    budget.on_present(chunk_bytes)
                 continue
             if err:
                 failed.append(i)
@@ -384,7 +384,7 @@ class PageTransfer:
             out[i] = SaveStatus.PUBLISHED
         if published:
             if budget is not None:
-                budget.on_published_many(ns, group, published, expected + fmt.TRAILER_BYTES)
+                budget.on_published_many(ns, group, published, chunk_bytes)
             ns.counters.add("saves_published", len(published))
             ns.counters.add("bytes_written", len(published) * expected)
         return failed

@@ -293,12 +293,15 @@ class Budget:
             self._error_logged_at = now
             log.warning("%s", line)
 
+    def _usage(self) -> tuple[int, int]:
+        """The file system's ``(size, free)`` where the limits need it (a floor, or no count of the
+        store yet), else ``(0, 0)``."""
+        return self.disk_usage(str(self.store.root)) if self.limits.has_floor or self._used is None else (0, 0)
+
     def _need(self, nbytes: int, usage: Optional[tuple[int, int]] = None) -> int:
-        """Bytes to free before ``nbytes`` more fit; ``usage``: the file system's ``(size, free)``
-        when the caller asked already."""
-        if usage is None:
-            usage = self.disk_usage(str(self.store.root)) if self.limits.has_floor or self._used is None else (0, 0)
-        total, free = usage
+        """Bytes to free before ``nbytes`` more fit; ``usage``: ``_usage()`` when the caller asked
+        already."""
+        total, free = self._usage() if usage is None else usage
         used = self._used if self._used is not None else total - free  # the store is at most what the file system holds
         # saves in flight count as written, against the budget and against free space
         return shortfall(self.limits, used + self._inflight_bytes, total,
@@ -314,7 +317,7 @@ class Budget:
                 n = self._inflight.popleft()[1]
                 self._inflight_bytes -= n
                 self._inflight_blocks -= self._blocks(n)
-            usage = self.disk_usage(str(self.store.root)) if self.limits.has_floor or self._used is None else (0, 0)
+            usage = self._usage()
             for taken in range(count):
                 if self._need(nbytes, usage) > 0:
                     return taken

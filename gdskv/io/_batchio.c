@@ -629,6 +629,12 @@ static void stage_sealed(job_t *j, size_t cut, char *staging, crc_fn_t crc) {
     if (payload < cut) memcpy(staging + payload, j->pieces[j->npieces - 1].iov_base, cut - payload);
 }
 
+/* Whether `name` in `dfd` is a stored chunk of `size` bytes: a regular file (not a link) of that
+ * size; `st` gets what fstatat found. */
+static int chunk_of_size(int dfd, const char *name, long long size, struct stat *st) {
+    return fstatat(dfd, name, st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st->st_mode) && st->st_size == size;
+}
+
 /* `mem`: the store's direct-I/O memory alignment as this thread learnt it from the first file it
  * made (file_dio_mem), 0 until then. */
 static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sync, int direct, char *staging,
@@ -646,8 +652,7 @@ static void write_one(int root, job_t *j, int file_mode, int do_chmod, int do_sy
         return;
     }
     struct stat st;
-    if (j->present && fstatat(dfd, j->name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
-        st.st_size == j->present) {
+    if (j->present && chunk_of_size(dfd, j->name, j->present, &st)) {
         j->err = ERR_PRESENT;
         close(dfd);
         return;
@@ -1042,8 +1047,7 @@ static PyObject *each_key(int root, const char *base, Py_buffer *skeys, int hi_b
 static signed char is_chunk(int dfd, const char *name, Py_ssize_t i, const void *ctx) {
     (void)i;
     struct stat st;
-    return fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
-           st.st_size == *(const long long *)ctx;
+    return chunk_of_size(dfd, name, *(const long long *)ctx, &st);
 }
 
 /* stat_chunks(root_fd, base, skeys, hi_bits, lo_bits, size) -> [1/0/-1] (see `answers`): each
@@ -1065,7 +1069,7 @@ typedef struct { long long size; long long *mtimes; } times_t;
 static signed char chunk_time(int dfd, const char *name, Py_ssize_t i, const void *ctx) {
     const times_t *t = ctx;
     struct stat st;
-    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) || st.st_size != t->size) return 0;
+    if (!chunk_of_size(dfd, name, t->size, &st)) return 0;
     t->mtimes[i] = (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
     return 1;
 }

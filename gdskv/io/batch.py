@@ -263,10 +263,15 @@ def address_of(buf: bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
+def pieces_at(tensors: Sequence, trailer_address: int, trailer_nbytes: int = fmt.TRAILER_BYTES) -> list[Piece]:
+    """The pieces of a page's tensors (ones ``host_pages`` takes) and of its trailer at
+    ``trailer_address``. Called by ``PageTransfer`` for a step's saves, whose trailers lie end to
+    end in one buffer, and by ``pieces_of``."""
+    out = [(t.data_ptr(), t.nbytes) for t in tensors]
+    out.append((trailer_address, trailer_nbytes))
+    return out
+
+
 def pieces_of(tensors: Sequence, trailer: bytearray) -> Optional[list[Piece]]:
     """The pieces of a page's tensors and its trailer, or None when ``host_pages`` refuses them."""
-    if not host_pages(tensors):
-        return None
-    out = [(t.data_ptr(), t.nbytes) for t in tensors]
-    out.append((address_of(trailer), len(trailer)))
-    return out
+    return pieces_at(tensors, address_of(trailer), len(trailer)) if host_pages(tensors) else None
