@@ -143,6 +143,9 @@ class PageTransfer:
         self._reaper: Optional[threading.Thread] = None
         self._later_lock = threading.Lock()
         self._closed = False
+        # per layer group, key -> parent of every save posted and not finished yet: what
+        # ``_lineage`` tells the budget about a parent that is on its way
+        self._saving: dict[int, dict[bytes, Optional[bytes]]] = {}
 
     # --- saves --------------------------------------------------------------------------------
     def save_page(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[torch.Tensor],
@@ -167,9 +170,46 @@ class PageTransfer:
         that holds the payload too once the page is PUBLISHED: the native path copies it there
         in the pass that seals the page (one read of the page for both)."""
         jobs = [(item[0], item[1], _as_list(item[2]), item[3] if len(item) > 3 else None) for item in items]
+        on_done = self._posted(group, jobs, on_done)
         if ready is None and jobs and self._later_ready() and not self._any_staged(jobs, 2):
             return self._later(group, jobs, on_done, save=True)
         return self._batch(self._save, self._save_slice, group, jobs, ready, on_done, self._background, NATIVE_CALLERS)
+
+    def _posted(self, group: int, jobs: list[tuple], on_done: Optional[DoneFn]) -> DoneFn:
+        """Note a step's saves as on their way (``_saving``) until they finish: the returned
+        ``on_done``, which every path runs for every page before its future resolves, forgets
+        them, then runs the caller's."""
+        saving = self._saving.get(group)
+        if saving is None:
+            saving = self._saving.setdefault(group, {})
+        for job in jobs:
+            saving[job[0]] = job[1]
+
+        def finished(done: list[int], results: Optional[list[Any]], skipped: list[int]) -> None:
+            forget = saving.pop
+            for i in done:
+                forget(jobs[i][0], None)
+            for i in skipped:
+                forget(jobs[i][0], None)
+            if on_done is not None:
+                on_done(done, results, skipped)
+
+        return finished
+
+    def _lineage(self, group: int, parent: Optional[bytes]) -> tuple[Optional[bytes], list[bytes]]:
+        """``(stored, saving)`` for a save's ``Budget.admit``: the parent and its ancestors that
+        saves of this transfer are still writing (nearest first), and the block above them,
+        which must be stored already. A step's chain on a full store then evicts for every
+        block, not only the ones whose parent had landed."""
+        saving: list[bytes] = []
+        posted = self._saving.get(group, {})
+        while parent is not None and len(saving) <= len(posted):
+            up = posted.get(parent, _NOT_SAVING)
+            if up is _NOT_SAVING:
+                break
+            saving.append(parent)
+            parent = up
+        return parent, saving
 
     def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor],
               via: Optional[torch.Tensor] = None) -> SaveStatus:
@@ -206,7 +246,7 @@ class PageTransfer:
             ns.counters.add("saves_exists")
             return SaveStatus.EXISTS
         budget = ns.store.budget
-        if budget is not None and not budget.admit(ns, group, nbytes + fmt.TRAILER_BYTES, parent):
+        if budget is not None and not budget.admit(ns, group, nbytes + fmt.TRAILER_BYTES, *self._lineage(group, parent)):
             ns.counters.add("saves_dropped")
             ns.counters.add("saves_dropped_budget")
             return SaveStatus.DROPPED
@@ -337,7 +377,7 @@ class PageTransfer:
             admissible = admissible[:admitted]
         for i in admissible:
             key, parent, segments, via = jobs[i]
-            if budget is not None and not serving and not budget.admit(ns, group, chunk_bytes, parent):
+            if budget is not None and not serving and not budget.admit(ns, group, chunk_bytes, *self._lineage(group, parent)):
                 ns.counters.add("saves_dropped")
                 ns.counters.add("saves_dropped_budget")
                 out[i] = SaveStatus.DROPPED
@@ -902,6 +942,9 @@ class PageTransfer:
         self._pool.shutdown(wait=True)
         self._background.shutdown(wait=True)
         self.ns.store.flush_stats()
+
+
+_NOT_SAVING = object()
 
 
 def _bookkeep(on_done: Optional[DoneFn], done: list[int], results: Optional[list[Any]], skipped: Sequence[int] = ()) -> None:

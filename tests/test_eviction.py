@@ -259,6 +259,36 @@ def test_saves_posted_from_the_serving_thread_never_evict_there(rig: _Rig, monke
     assert rig.ns.counters["evicted"] >= 18
 
 
+class _Ready:
+    """A ``ready`` event already reached: sends a step's saves down the transfer pool's path."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("ready", [None, _Ready()], ids=["posted-from-the-step", "transfer-pool"])
+def test_a_chain_saved_in_one_step_on_a_full_store_evicts_for_every_block(rig: _Rig, ready) -> None:
+    """A block whose parent is still being written in the same step is not refused as an orphan:
+    the budget makes room for the whole chain, keeping the blocks above it. (It used to save the
+    blocks that fit and drop the rest.)"""
+    budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=56 * CHUNK))
+    assert budget.counted.wait(10)
+    budget.headroom = 0.0
+    old = [list(range(100 * c, 100 * c + 16)) for c in range(4)]
+    for tokens in old:
+        assert rig.save_chain(tokens) == [SaveStatus.PUBLISHED] * 8
+    keys = chain_keys(list(range(9000, 9080)), TPB)  # 40 blocks; room for 24
+    items = [(k, keys[i - 1] if i else None, [torch.full((PAGE,), i, dtype=torch.uint8)]) for i, k in enumerate(keys)]
+    assert [f.result() for f in rig.xfer.save_pages(0, items, ready)] == [SaveStatus.PUBLISHED] * 40
+    assert all(rig.ns.contains_many(0, keys))
+    assert rig.stored_bytes() <= 56 * CHUNK
+    assert rig.ns.counters["saves_dropped_budget"] == 0
+    for tokens in old:  # what is left of an older chain is a prefix of it
+        present = rig.ns.contains_many(0, chain_keys(tokens, TPB))
+        assert present == sorted(present, reverse=True)
+    assert not any(rig.xfer._saving.values()), "finished saves are forgotten"
+
+
 def test_a_save_found_stored_already_gives_its_reservation_back(rig: _Rig) -> None:
     budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=10 * CHUNK))
     assert budget.counted.wait(10)

@@ -103,18 +103,23 @@ class Budget:
         return None if self._used is None else self._used + self._inflight_bytes
 
     # hook -------------------------------------------------------------------------------------
-    def admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes] = None) -> bool:
+    def admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes] = None,
+              saving: Sequence[bytes] = ()) -> bool:
         """May a chunk of ``nbytes`` be written now? Evicts first when it would cross a limit;
         False (the caller drops and counts the save) when not enough can be evicted, e.g.
         because everything left is pinned, or the index is not ready yet. The chunk's ``parent``
         block (and so its ancestors) is not evicted to make room for it, and nothing is evicted
         for a chunk whose parent is not stored: either would leave the new chunk unservable.
+        ``saving``: the chunk's nearest ancestors that the caller is saving right now (not
+        stored yet, or just published), nearest first; ``parent`` is then the block above them,
+        which must be stored. They are kept as ``parent`` is, so a chain saved in one go on a
+        full store evicts for all of its blocks, not only the first.
         Never raises: an eviction that fails (I/O error, bad index) drops the save, with a log
         line and the namespace's ``eviction_errors`` counter.
         Called by ``PageTransfer`` on a transfer thread, never on the serving loop (which asks
         ``admit_now``)."""
         try:
-            return self._admit(ns, group, nbytes, parent)
+            return self._admit(ns, group, nbytes, parent, saving)
         except (OSError, ValueError) as e:
             ns.counters.add("eviction_errors")
             self._log_error(f"gdskv: eviction in {self.store.root} failed, save dropped: {e}")
@@ -130,7 +135,7 @@ class Budget:
             self.start_background()
         return self._try_reserve(nbytes, count)
 
-    def _admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes]) -> bool:
+    def _admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes], saving: Sequence[bytes]) -> bool:
         if self.admit_now(nbytes):
             return True
         if not self._evicting.acquire(timeout=self.max_wait_seconds):
@@ -144,7 +149,8 @@ class Budget:
                 return False  # the chunk would be unservable: not worth evicting anything for
             need = self._need(nbytes)
             if need > 0:
-                self.evict(need, protect=[ns.chunk_path(group, parent)] if parent is not None else [])
+                keep = [*saving, parent] if parent is not None else saving
+                self.evict(need, protect=[ns.chunk_path(group, k) for k in keep])
             return self._try_reserve(nbytes) > 0
         finally:
             self._evicting.release()
