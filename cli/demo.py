@@ -19,7 +19,8 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from gdskv.cli._common import config_of, print_json
+from gdskv.cli._common import config_of, human_bytes, print_json
+from gdskv.config import GdsKvConfig
 from gdskv.cli.output import console as make_console
 from gdskv.cli.prewarm import check_store
 
@@ -37,6 +38,33 @@ def _phase(store: str, phase: str, *args: str) -> dict[str, Any]:
     log.info("demo phase %s stderr:\n%s", phase, out.stderr)
     last = next((line.strip() for line in reversed(out.stderr.splitlines()) if line.strip()), "no error output")
     raise click.ClickException(f"demo phase {phase!r} failed (exit {out.returncode}): {last}")
+
+
+def _limits(cfg: GdsKvConfig) -> str:
+    """The capacity limits the config sets, as a user wrote them (``max_bytes 8 MiB``)."""
+    parts = [f"max_bytes {human_bytes(cfg.max_bytes)}" if cfg.max_bytes is not None else "",
+             f"min_free_bytes {human_bytes(cfg.min_free_bytes)}" if cfg.min_free_bytes is not None else "",
+             f"min_free_percent {cfg.min_free_percent:g}" if cfg.min_free_percent is not None else ""]
+    return ", ".join(p for p in parts if p) or "no limit set: the disk was full"
+
+
+def _round_trip_verdict(save: dict[str, Any], load: dict[str, Any], cfg: GdsKvConfig, page_bytes: int) -> tuple[str, str]:
+    """(problem, note) of the store round trip: a page that differs, one the store holds but did
+    not load, or one the save left in the store and the load did not find is a problem; pages the
+    store did not keep (its capacity limits refused or evicted them) are a note, unless it kept
+    none, which leaves nothing to check."""
+    pages = save["pages"]
+    failed = load["pages"] - load["absent"] - load["done"]
+    not_kept = pages - save["kept"]
+    if load["mismatches"] or failed:
+        return f"{load['mismatches']} pages differ, {failed} held by the store did not load", ""
+    if load["absent"] > not_kept:
+        return f"{load['absent'] - not_kept} pages the save left in the store were missing at load", ""
+    if not not_kept:
+        return "", ""
+    why = (f"the store's capacity limits ({_limits(cfg)}) refused or evicted {not_kept} of {pages} pages; "
+           f"the demo's pages need {human_bytes(pages * page_bytes)}")
+    return (f"no page kept, nothing to check: {why}", "") if not save["kept"] else ("", why)
 
 
 @click.command()
@@ -58,14 +86,18 @@ def demo(ctx: click.Context, blocks: int, page_bytes: int, system_tokens: int, a
     console.print("[bold]1. Store round trip[/] (4 prompts sharing a prefix; each phase in a new process)")
     for phase in ("save", "load"):
         r = report[phase] = _phase(store, phase, "--blocks", str(blocks), "--page-bytes", str(page_bytes))
-        what = f"{r['done']} saved, {r['already']} already stored" if phase == "save" else f"{r['done']} loaded and verified, {r['misses']} missed"
+        what = (f"{r['done']} saved, {r['already']} already stored" + (f", {r['misses']} refused" if r["misses"] else "")
+                if phase == "save" else f"{r['done']} loaded and verified, {r['misses']} missed")
         console.print(
             f"   {phase:4s}: {r['pages']} pages of {page_bytes / 2**20:g} MiB: {what}; "
             f"{r['bytes'] / 2**20:.0f} MiB in {r['seconds'] * 1e3:.0f} ms = {r['gbps']:.2f} GB/s  engine: {escape(r['engine'])}"
         )
-        if phase == "load" and (r["mismatches"] or r["misses"]):
-            console.print(f"   [red]{r['mismatches']} pages differ, {r['misses']} missing[/]")
-            ok = False
+    problem, note = _round_trip_verdict(report["save"], report["load"], cfg, page_bytes)
+    if note:
+        console.print(f"   [yellow]{escape(note)}[/]")
+    if problem:
+        console.print(f"   [red]{escape(problem)}[/]")
+        ok = False
 
     console.print("[bold]2. Reference engine + TensorRT-LLM connector[/] (2 prompts sharing a system prompt; two processes)")
     salt = f"demo-{time.time_ns()}"  # a fresh salt, so run 1 computes even when the store is warm

@@ -34,6 +34,11 @@ ENGINE_TOKENS_PER_BLOCK = 16
 
 @dataclass
 class PhaseReport:
+    """One store phase's figures. ``misses``: saves the store refused (its capacity limits: byte
+    budget, free-space floor, a full disk) or loads that did not come back; ``absent`` (load):
+    pages the store does not hold, which it may have evicted or never kept; ``kept``: pages the
+    store holds when the phase ends."""
+
     phase: str
     engine: str
     pages: int
@@ -43,6 +48,8 @@ class PhaseReport:
     mismatches: int
     bytes: int
     seconds: float
+    absent: int = 0
+    kept: int = 0
 
     @property
     def gbps(self) -> float:
@@ -86,6 +93,7 @@ def run_store_phase(phase: str, store_path: str, n_prompts: int, blocks: int, pa
         done = statuses.count(SaveStatus.PUBLISHED)
         already = statuses.count(SaveStatus.EXISTS)
         misses = statuses.count(SaveStatus.DROPPED)
+        absent = 0
     else:
         present = ns.contains_many(0, keys)
         t0 = time.perf_counter()
@@ -98,10 +106,12 @@ def run_store_phase(phase: str, store_path: str, n_prompts: int, blocks: int, pa
                 mismatches += int(not torch.equal(pool[i], page_for(k, page_bytes)))
             else:
                 misses += 1
+        absent = present.count(False)
     xfer.close()
+    kept = sum(ns.contains_many(0, keys))
     desc = engine.describe()
     engine.close()
-    return PhaseReport(phase, desc, len(keys), done, already, misses, mismatches, done * page_bytes, seconds)
+    return PhaseReport(phase, desc, len(keys), done, already, misses, mismatches, done * page_bytes, seconds, absent, kept)
 
 
 def run_engine_phase(store_path: str, cache_salt: str, n_prompts: int, system_tokens: int, question_tokens: int, max_new_tokens: int) -> dict[str, Any]:

@@ -24,3 +24,29 @@ def test_demo_round_trips_and_serves_the_prefix(tmp_path):
     for phase in ("save", "load"):  # each phase's figures on one line, however long
         assert re.search(rf"^   {phase}: .* MiB in \d+ ms = \d+\.\d\d GB/s  engine: \S+", text, re.M), text
     assert "\x1b[" not in text
+
+
+def _demo_with_config(tmp_path, toml: str) -> subprocess.CompletedProcess:
+    config = tmp_path / "gdskv.toml"
+    config.write_text(toml)
+    env = dict(os.environ, GDSKV_STORE=str(tmp_path / "store"), GDSKV_CONFIG=str(config))
+    return subprocess.run([sys.executable, "-m", "gdskv.cli.main", "demo", "--pages-per-prompt", "4", "--page-bytes", "65536",
+                           "--system-tokens", "96"], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_demo_under_a_byte_budget_smaller_than_its_pages_says_so_and_passes(tmp_path):
+    """Pages the budget refused or evicted are the budget at work, not a fault: the demo names the
+    limit and checks every page the store kept."""
+    out = _demo_with_config(tmp_path, '[gdskv]\nmax_bytes = "400K"\n')
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"capacity limits \(max_bytes 400\.0 KiB\) refused or evicted \d+ of 10 pages; "
+                     r"the demo's pages need 640\.0 KiB", out.stdout), out.stdout
+    assert re.search(r"load: 10 pages of 0.0625 MiB: [1-9] loaded and verified", out.stdout), out.stdout
+    assert "OK:" in out.stdout and "FAILED" not in out.stdout
+
+
+def test_demo_under_a_budget_that_keeps_no_page_fails_in_one_line(tmp_path):
+    out = _demo_with_config(tmp_path, '[gdskv]\nmax_bytes = "32K"\n')
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "no page kept, nothing to check: the store's capacity limits (max_bytes 32.0 KiB)" in out.stdout
+    assert "FAILED" in out.stdout and "Traceback" not in out.stdout + out.stderr
