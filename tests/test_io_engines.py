@@ -414,6 +414,56 @@ def test_a_chunk_missing_only_a_page_from_the_cache_is_read_through_the_cache(tm
         engine.close()
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["per-page", "native-batch"])
+def test_the_page_cache_probe_asks_about_a_chunks_head(tmp_path: Path, native: bool) -> None:
+    """Whether a chunk is read through the cache is decided by its first 256 KiB (the probe walks
+    every folio it asks about; chunks are written and read whole): a 1 MiB chunk with only its head
+    cached is read through the cache, which fetches the rest; one with only its head reclaimed is
+    read direct, and the pages still cached stay so."""
+    from gdskv.io import batch as batchio
+
+    if native and not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    nbytes, head = 1 * MiB, posix.CACHED_PROBE_BYTES
+    page = _random_bytes(nbytes, seed=7)
+    trailer = os.urandom(128)
+    engine = PosixEngine(threads=1, o_direct=True)
+    total = -(-(nbytes + 128) // 4096)
+    try:
+        for name in ("head", "tail"):
+            path = str(tmp_path / name)
+            engine.write_now(path, [Segment(0, page), Segment(nbytes, trailer)])
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the write's folios may be large
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: 4 KiB folios,
+                for off in range(0, nbytes + 128, 4096):  # which a range of POSIX_FADV_DONTNEED drops
+                    os.pread(f.fileno(), 4096, off)
+                if name == "head":
+                    os.posix_fadvise(f.fileno(), head, 0, os.POSIX_FADV_DONTNEED)
+                else:
+                    os.posix_fadvise(f.fileno(), 0, head, os.POSIX_FADV_DONTNEED)
+        cached = {"head": head // 4096, "tail": total - head // 4096}
+        if any(_resident_pages(str(tmp_path / name)) != want for name, want in cached.items()):
+            pytest.skip("this file system keeps the file's pages cached after POSIX_FADV_DONTNEED")
+        for name in ("head", "tail"):
+            back, tail = torch.zeros(nbytes, dtype=torch.uint8), bytearray(128)
+            if native:
+                root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    [got] = engine.read_chunks_now(root, [(name, batchio.pieces_of([back], tail))], 1)
+                finally:
+                    os.close(root)
+                assert got.err == 0
+            else:
+                assert engine.read_now(str(tmp_path / name), [Segment(0, back), Segment(nbytes, tail)]) == nbytes + 128
+            assert torch.equal(back, page) and bytes(tail) == trailer
+            resident = _resident_pages(str(tmp_path / name))
+            assert resident == (total if name == "head" else cached["tail"]), (name, resident)
+    finally:
+        engine.close()
+
+
 def test_direct_read_of_a_truncated_chunk_is_a_short_read(tmp_path: Path) -> None:
     path = str(tmp_path / "chunk")
     nbytes = 64 * KiB

@@ -377,16 +377,22 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _cachestat_works = sys.platform.startswith("linux")
 
 
+CACHED_PROBE_BYTES = 256 * 1024
+"""How much of a chunk's head ``_cached`` asks about (``_batchio.c``: its ``READ_STEP``)."""
+
+
 def _cached(fd: int, segments: Sequence[Segment]) -> bool:
-    """Whether most of the file span of ``segments`` is in the page cache (at least half its
-    pages, as ``_batchio.c`` decides: a chunk with its trailer's page reclaimed is still read
-    through the cache), by ``cachestat(2)``: no I/O, unlike a probing ``RWF_NOWAIT`` read, which
-    starts readahead. False where the kernel lacks it (before 6.5): then every read goes direct."""
+    """Whether most of the head of the file span of ``segments`` (its first
+    ``CACHED_PROBE_BYTES``) is in the page cache: at least half its pages, as ``_batchio.c``
+    decides. ``cachestat(2)`` walks every folio of the range it is asked about, and chunks are
+    written and read whole, so the head tells; a chunk with its trailer's page reclaimed is still
+    read through the cache. No I/O, unlike a probing ``RWF_NOWAIT`` read, which starts readahead.
+    False where the kernel lacks it (before 6.5): then every read goes direct."""
     global _cachestat_works
     if not _cachestat_works:
         return False
     start = segments[0].file_offset
-    end = max(seg.file_offset + seg.nbytes for seg in segments)
+    end = min(start + CACHED_PROBE_BYTES, max(seg.file_offset + seg.nbytes for seg in segments))
     span, stat = _CacheStatRange(start, end - start), _CacheStat()
     if _libc.syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(span),
                      ctypes.byref(stat), ctypes.c_uint(0)) != 0:
