@@ -371,95 +371,60 @@ def test_cold_chunks_are_read_direct_and_cached_ones_from_the_cache(tmp_path: Pa
         direct.close()
 
 
+def _cache_pages(path: str, nbytes: int, drop: tuple[int, int]) -> None:
+    """Every page of the file cached in 4 KiB folios (readahead off), then the byte range
+    ``drop`` (``(start, end)``, end 0: to the end) dropped from the cache."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the write's folios may be large
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # 4 KiB folios, which a range drops
+        for off in range(0, nbytes, 4096):
+            os.pread(f.fileno(), 4096, off)
+        os.posix_fadvise(f.fileno(), drop[0], drop[1] and drop[1] - drop[0], os.POSIX_FADV_DONTNEED)
+
+
 @pytest.mark.parametrize("native", [False, True], ids=["per-page", "native-batch"])
-def test_a_chunk_missing_only_a_page_from_the_cache_is_read_through_the_cache(tmp_path: Path, native: bool) -> None:
-    """A warm chunk whose last page (the trailer's) was reclaimed is still read through the page
-    cache, which fetches that one page (all of it is resident after), not from the disk whole with
-    O_DIRECT (which would leave that page out); a chunk mostly out of the cache is read direct."""
+@pytest.mark.parametrize("nbytes, drop, through_cache", [
+    (256 * KiB, (256 * KiB, 0), True),   # the trailer's page reclaimed
+    (256 * KiB, (0, 0), False),          # nothing cached
+    (1 * MiB, (256 * KiB, 0), True),     # only the head cached
+    (1 * MiB, (0, 256 * KiB), False),    # only the head reclaimed
+], ids=["trailer-page-reclaimed", "cold", "head-cached", "head-reclaimed"])
+def test_the_page_cache_probe_decides_by_a_chunks_head(tmp_path: Path, native: bool, nbytes: int,
+                                                        drop: tuple[int, int], through_cache: bool) -> None:
+    """Whether a chunk is read through the page cache is decided by its first 256 KiB
+    (``posix.CACHED_PROBE_BYTES``: the probe walks every folio it asks about; chunks are written
+    and read whole): through the cache, which fetches the missing pages (all of them resident
+    after), when most of the head is cached, so a warm chunk whose trailer's page was reclaimed is
+    not read from the disk whole; with O_DIRECT, leaving the cache as it was, when it is not."""
     from gdskv.io import batch as batchio
     from gdskv import format as fmt
 
     if native and not batchio.available():
         pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
-    nbytes = 256 * KiB
+    assert posix.CACHED_PROBE_BYTES == 256 * KiB
     page = _random_bytes(nbytes, seed=6)
     trailer = os.urandom(128)
     engine = PosixEngine(threads=1, o_direct=True)
-    total = -(-(nbytes + 128) // 4096)
+    path, total = str(tmp_path / "chunk"), -(-(nbytes + 128) // 4096)
     try:
-        for name in ("warm", "cold"):
-            path = str(tmp_path / name)
-            engine.write_now(path, [Segment(0, page), Segment(nbytes, trailer)])
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
-                f.read()  # every page cached
-                os.posix_fadvise(f.fileno(), nbytes if name == "warm" else 0, 0, os.POSIX_FADV_DONTNEED)
-        if _resident_pages(str(tmp_path / "warm")) != total - 1 or _resident_pages(str(tmp_path / "cold")):
+        engine.write_now(path, [Segment(0, page), Segment(nbytes, trailer)])
+        _cache_pages(path, nbytes + 128, drop)
+        before = _resident_pages(path)
+        if before != total - -(-((drop[1] or nbytes + 128) - drop[0]) // 4096):
             pytest.skip("this file system keeps the file's pages cached after POSIX_FADV_DONTNEED")
-        for name in ("warm", "cold"):
-            back, tail = torch.zeros(nbytes, dtype=torch.uint8), bytearray(128)
-            if native:
-                root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    [got] = engine.read_chunks_now(root, [(name, batchio.pieces_of([back], tail))], 1)
-                finally:
-                    os.close(root)
-                assert got.err == 0 and got.crc == fmt.crc32c_at(page.data_ptr(), nbytes)
-            else:
-                assert engine.read_now(str(tmp_path / name), [Segment(0, back), Segment(nbytes, tail)]) == nbytes + 128
-            assert torch.equal(back, page) and bytes(tail) == trailer
-            resident = _resident_pages(str(tmp_path / name))
-            assert resident == (total if name == "warm" else 0), (name, resident)
-    finally:
-        engine.close()
-
-
-@pytest.mark.parametrize("native", [False, True], ids=["per-page", "native-batch"])
-def test_the_page_cache_probe_asks_about_a_chunks_head(tmp_path: Path, native: bool) -> None:
-    """Whether a chunk is read through the cache is decided by its first 256 KiB (the probe walks
-    every folio it asks about; chunks are written and read whole): a 1 MiB chunk with only its head
-    cached is read through the cache, which fetches the rest; one with only its head reclaimed is
-    read direct, and the pages still cached stay so."""
-    from gdskv.io import batch as batchio
-
-    if native and not batchio.available():
-        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
-    nbytes, head = 1 * MiB, posix.CACHED_PROBE_BYTES
-    page = _random_bytes(nbytes, seed=7)
-    trailer = os.urandom(128)
-    engine = PosixEngine(threads=1, o_direct=True)
-    total = -(-(nbytes + 128) // 4096)
-    try:
-        for name in ("head", "tail"):
-            path = str(tmp_path / name)
-            engine.write_now(path, [Segment(0, page), Segment(nbytes, trailer)])
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the write's folios may be large
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: 4 KiB folios,
-                for off in range(0, nbytes + 128, 4096):  # which a range of POSIX_FADV_DONTNEED drops
-                    os.pread(f.fileno(), 4096, off)
-                if name == "head":
-                    os.posix_fadvise(f.fileno(), head, 0, os.POSIX_FADV_DONTNEED)
-                else:
-                    os.posix_fadvise(f.fileno(), 0, head, os.POSIX_FADV_DONTNEED)
-        cached = {"head": head // 4096, "tail": total - head // 4096}
-        if any(_resident_pages(str(tmp_path / name)) != want for name, want in cached.items()):
-            pytest.skip("this file system keeps the file's pages cached after POSIX_FADV_DONTNEED")
-        for name in ("head", "tail"):
-            back, tail = torch.zeros(nbytes, dtype=torch.uint8), bytearray(128)
-            if native:
-                root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    [got] = engine.read_chunks_now(root, [(name, batchio.pieces_of([back], tail))], 1)
-                finally:
-                    os.close(root)
-                assert got.err == 0
-            else:
-                assert engine.read_now(str(tmp_path / name), [Segment(0, back), Segment(nbytes, tail)]) == nbytes + 128
-            assert torch.equal(back, page) and bytes(tail) == trailer
-            resident = _resident_pages(str(tmp_path / name))
-            assert resident == (total if name == "head" else cached["tail"]), (name, resident)
+        back, tail = torch.zeros(nbytes, dtype=torch.uint8), bytearray(128)
+        if native:
+            root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                [got] = engine.read_chunks_now(root, [("chunk", batchio.pieces_of([back], tail))], 1)
+            finally:
+                os.close(root)
+            assert got.err == 0 and got.crc == fmt.crc32c_at(page.data_ptr(), nbytes)
+        else:
+            assert engine.read_now(path, [Segment(0, back), Segment(nbytes, tail)]) == nbytes + 128
+        assert torch.equal(back, page) and bytes(tail) == trailer
+        assert _resident_pages(path) == (total if through_cache else before)
     finally:
         engine.close()
 
