@@ -175,10 +175,12 @@ class PageTransfer:
             return self._later(group, jobs, on_done, save=True)
         return self._batch(self._save, self._save_slice, group, jobs, ready, on_done, self._background, NATIVE_CALLERS)
 
-    def _posted(self, group: int, jobs: list[tuple], on_done: Optional[DoneFn]) -> DoneFn:
-        """Note a step's saves as on their way (``_saving``) until they finish: the returned
-        ``on_done``, which every path runs for every page before its future resolves, forgets
-        them, then runs the caller's."""
+    def _posted(self, group: int, jobs: list[tuple], on_done: Optional[DoneFn]) -> Optional[DoneFn]:
+        """Note a step's saves as on their way (``_saving``) until they finish, where a budget
+        may evict for them: the returned ``on_done``, which every path runs for every page before
+        its future resolves, forgets them, then runs the caller's."""
+        if self.ns.store.budget is None:
+            return on_done
         saving = self._saving.get(group)
         if saving is None:
             saving = self._saving.setdefault(group, {})
