@@ -18,6 +18,7 @@ from rich.console import Console
 
 from gdskv.cli._common import UsageProblem, auth_key_of, config_of, print_json
 from gdskv.cli._remote import namespace_filter, prompt_blocks_of, prompt_options, remote_client
+from gdskv.eviction import install_budget
 from gdskv.remote import RemoteUnavailable
 from gdskv.remote.copy import pull as pull_namespaces
 from gdskv.store import PageStore, StoreError
@@ -37,6 +38,7 @@ def pull(ctx: click.Context, namespace: Optional[str], prompts: tuple[str, ...],
         store = PageStore.from_config(cfg)  # like prewarm, pull may make the store
     except (StoreError, OSError) as e:
         raise UsageProblem(f"{e}; refusing to touch it. Pass --store PATH or set GDSKV_STORE.") from None
+    install_budget(store, cfg)  # pulled chunks are admitted, and room made, as a server's saves are
     _, client = remote_client(ctx)
     try:
         rep = pull_namespaces(store, client, auth_key_of(cfg), namespace_filter(namespace), blocks_of)

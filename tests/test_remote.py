@@ -160,6 +160,30 @@ def test_node_b_reads_through_what_node_a_saved_then_serves_locally(tmp_path, en
     b_lookup.close()
 
 
+def test_a_full_store_reads_a_whole_prefix_through_evicting_older_ones(tmp_path, endpoint, prefix):
+    """Replies are published as they arrive, a block's sometimes before its parent's: on a store
+    at its byte budget the budget makes room for each block, keeping the parent on its way,
+    instead of refusing it as an orphan (which cut the prefix short there)."""
+    tokens = list(range(5000, 5000 + 40 * TPB + 1))
+    keys = chain_keys(tokens, TPB)
+    a = service(str(tmp_path / "a"), endpoint.url, prefix, upload="through")
+    save_all(a, keys)
+    a.close()
+    per_block = sum(a.namespace.chunk_nbytes(g) for g in (0, 1))
+    cfg = GdsKvConfig(store_path=str(tmp_path / "b"), remote=remote_table(endpoint.url, prefix, upload="off"),
+                      max_bytes=44 * per_block)
+    b = KvService(cfg, SPEC)
+    old = chain_keys(list(range(9000, 9000 + 40 * TPB + 1)), TPB)
+    save_all(b, old)  # the store at its budget
+    assert b.lookup(tokens, None).num_new_tokens == 40 * TPB
+    assert b.remote.counters["remote_dropped_budget"] == 0
+    assert all(b.namespace.contains_many(g, keys) == [True] * len(keys) for g in (0, 1))
+    assert load_ok(b, keys)
+    present = b.namespace.contains_many(0, old)  # what is left of the older prefix is a prefix of it
+    assert present == sorted(present, reverse=True) and not all(present)
+    b.close()
+
+
 def test_an_engine_that_names_blocks_itself_reads_through_in_its_lease(tmp_path, endpoint, prefix):
     a = service(str(tmp_path / "a"), endpoint.url, prefix, upload="through")
     save_all(a, KEYS[:5])

@@ -127,3 +127,29 @@ def test_push_and_pull_only_the_blocks_of_a_prompt_file(tmp_path, config, endpoi
     assert json.loads(r.output)["counts"] == {"pulled": blocks, "present": 0}
     (ns,) = PageStore.open(tmp_path / "b", create=False).namespaces()
     assert sum(1 for _ in ns.store.iter_chunk_files()) == blocks
+
+
+def test_pull_into_a_store_at_its_budget_takes_whole_chains(tmp_path, config, endpoint):
+    """Pulled objects are published as they arrive, a block's sometimes before its parent's: the
+    budget makes room for each, keeping the parent on its way, instead of refusing it as an orphan."""
+    keys = chain_keys(list(range(40 * 4 + 1)), 4)
+    a = KvService(GdsKvConfig(store_path=str(tmp_path / "a")), SPEC)
+    g = torch.Generator().manual_seed(6)
+    for i, k in enumerate(keys):
+        assert a.save(0, k, keys[i - 1] if i else None, [torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=g)]).result()
+    a.close()
+    assert gdskv(tmp_path / "a", "push").exit_code == 0
+    chunk = a.namespace.chunk_nbytes(0)
+    config.write_text(config.read_text().replace("[gdskv]\n", f"[gdskv]\nmax_bytes = {44 * chunk}\n", 1))
+    b = KvService(GdsKvConfig(store_path=str(tmp_path / "b"), max_bytes=44 * chunk), SPEC)
+    old = chain_keys(list(range(9000, 9000 + 40 * 4 + 1)), 4)
+    for i, k in enumerate(old):  # the store at its budget
+        assert b.save(0, k, old[i - 1] if i else None, [torch.zeros(2048, dtype=torch.uint8)]).result()
+    b.close()
+    r = gdskv(tmp_path / "b", "pull", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["counts"] == {"pulled": len(keys), "present": 0}
+    (ns,) = PageStore.open(tmp_path / "b", create=False).namespaces()
+    assert ns.contains_many(0, keys) == [True] * len(keys)
+    present = ns.contains_many(0, old)  # what is left of the older chain is a prefix of it
+    assert present == sorted(present, reverse=True) and not all(present)

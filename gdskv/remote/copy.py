@@ -169,13 +169,20 @@ def pull(store: PageStore, client: ObjectClient, auth_key: Optional[bytes],
                 continue
             todo = [rel for rel in rels if not _local(ns, rel)]
             report.add(ns, "present", len(rels) - len(todo))
+            coming = _among(ns, group, todo)
             for start in range(0, len(todo), GET_BATCH):
                 batch = todo[start:start + GET_BATCH]
                 took = client.get_many(batch, timeout=max(60.0, client.rc.timeout),
-                                       then=lambda i, r: _take_pulled(ns, group, batch[i], r, auth_key))
+                                       then=lambda i, r: _take_pulled(ns, group, batch[i], r, auth_key, coming))
                 for outcome in took:
                     report.add(ns, outcome.outcome.value if isinstance(outcome, Reply) else outcome)
     return report
+
+
+def _among(ns: Namespace, group: int, rels: Sequence[str]) -> Callable[[bytes], bool]:
+    """Whether a block's chunk is among ``rels`` (what a pull fetches): ``publish``'s ``coming``."""
+    fetching = set(rels)
+    return lambda key: chunk_key(ns, group, key) in fetching
 
 
 def _local(ns: Namespace, rel: str) -> bool:
@@ -199,14 +206,15 @@ def check_object(ns: Namespace, group: int, rel: str, data: Any, auth_key: Optio
     return verify(ns, group, key, view, auth_key), key
 
 
-def _take_pulled(ns: Namespace, group: int, rel: str, r: Reply, auth_key: Optional[bytes]) -> str:
+def _take_pulled(ns: Namespace, group: int, rel: str, r: Reply, auth_key: Optional[bytes],
+                 coming: Callable[[bytes], bool]) -> str:
     if r.outcome is not Outcome.OK:
         return r.outcome.value
     why, key = check_object(ns, group, rel, r.data, auth_key)
     if why is not None:
         return f"bad ({why})"
     try:
-        return "pulled" if publish(ns, group, key, r.data) else "dropped (budget)"
+        return "pulled" if publish(ns, group, key, r.data, coming) else "dropped (budget)"
     except OSError:
         return "failed (local store)"
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from gdskv import checksum
 from gdskv import format as fmt
@@ -54,16 +54,22 @@ def parent_of(data: Any) -> Optional[bytes]:
     return fmt.unpack(memoryview(data).cast("B")[-fmt.TRAILER_BYTES:]).parent_key
 
 
-def publish(ns: Namespace, group: int, key: bytes, data: Any) -> bool:
+def publish(ns: Namespace, group: int, key: bytes, data: Any, coming: Optional[Callable[[bytes], bool]] = None) -> bool:
     """Write a verified chunk into the local store atomically (temp file, then rename, inside its
     confined directory). False when the byte budget refuses it; ``OSError`` when the store
-    cannot take it (the caller counts a miss)."""
+    cannot take it (the caller counts a miss). ``coming(parent)``: whether the chunk's parent is
+    among what the caller is fetching now (replies are published as they arrive, in any order),
+    so that on a full store the budget evicts for the chunk, keeping the parent, instead of
+    refusing it as an orphan (``Budget.admit``'s ``saving``)."""
     store = ns.store
     data = memoryview(data).cast("B")
     nbytes = data.nbytes
     parent = parent_of(data)
-    if store.budget is not None and not store.budget.admit(ns, group, nbytes, parent):
-        return False
+    if store.budget is not None:
+        on_its_way = parent is not None and coming is not None and coming(parent)
+        if not (store.budget.admit(ns, group, nbytes, None, [parent]) if on_its_way
+                else store.budget.admit(ns, group, nbytes, parent)):
+            return False
     rel_dir, name = ns.chunk_location(group, key)
     with store.fs.directory(rel_dir, create=True) as dfd:
         tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.r{next(_seq):x}"

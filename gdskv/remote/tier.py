@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from gdskv.config import RemoteConfig
 from gdskv.remote.client import ObjectClient, Outcome, Reply
@@ -108,8 +108,9 @@ class RemoteTier:
         with self._lock:  # a remembered miss ends the run there
             end = next((i for i, k in enumerate(keys) if self._negative.get((ns.id, group, k), 0.0) > now), len(keys))
         ask = list(keys[:end])
+        coming = set(ask).__contains__  # a parent among them may land after its child
         took = self.client.get_many([chunk_key(ns, group, k) for k in ask], left,
-                                    then=lambda i, r: self._settle(ns, group, ask[i], r), in_order=True)
+                                    then=lambda i, r: self._settle(ns, group, ask[i], r, coming), in_order=True)
         for t in took:
             if isinstance(t, Reply):  # not settled by the deadline
                 self._count(ns, "remote_timeouts")
@@ -117,10 +118,11 @@ class RemoteTier:
                 break
         return [t is True for t in took] + [False] * (len(keys) - len(took))
 
-    def _settle(self, ns: Namespace, group: int, key: bytes, r: Reply) -> bool:
-        """One reply of a read-through (on a client worker thread): whether ``key`` is local now."""
+    def _settle(self, ns: Namespace, group: int, key: bytes, r: Reply, coming: Callable[[bytes], bool]) -> bool:
+        """One reply of a read-through (on a client worker thread): whether ``key`` is local now.
+        ``coming``: whether a block is among the read-through's keys (``publish``)."""
         if r.outcome is Outcome.OK:
-            return self._take(ns, group, key, r.data)
+            return self._take(ns, group, key, r.data, coming)
         if r.outcome in (Outcome.MISSING, Outcome.REFUSED):
             self._count(ns, "remote_misses" if r.outcome is Outcome.MISSING else "remote_refused")
             self._remember_miss(ns, group, key)
@@ -128,7 +130,7 @@ class RemoteTier:
             self.unreachable(ns, r.detail)
         return False
 
-    def _take(self, ns: Namespace, group: int, key: bytes, data: Any) -> bool:
+    def _take(self, ns: Namespace, group: int, key: bytes, data: Any, coming: Callable[[bytes], bool]) -> bool:
         """Verify a fetched object and publish it locally; whether it is now local."""
         reason = verify(ns, group, key, data, self.auth_key)
         if reason is not None:
@@ -138,7 +140,7 @@ class RemoteTier:
                         chunk_key(ns, group, key), reason)
             return False
         try:
-            if not publish(ns, group, key, data):
+            if not publish(ns, group, key, data, coming):
                 self._count(ns, "remote_dropped_budget")
                 return False
         except OSError as e:
