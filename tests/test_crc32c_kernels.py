@@ -21,7 +21,7 @@ try:
     from gdskv import _crc32c
 except ImportError:  # built by pip install where a C compiler is present
     _crc32c = None
-KERNELS = ("vpclmul", "hybrid", "pclmul", None)
+KERNELS = ("vpclmul", "hybrid", "pclmul", "chains", None)
 
 
 @pytest.fixture(params=KERNELS, ids=lambda k: k or "chosen")
@@ -43,11 +43,12 @@ def test_every_length_and_start_around_the_fold_boundaries_matches_google_crc32c
         assert _crc32c.crc32c(piece, value, kernel) == google_crc32c.extend(value, piece), (n, start)
 
 
-def test_lengths_around_the_hybrid_blocks_match_google_crc32c(kernel):
+@pytest.mark.parametrize("block", [256 * 128 + 3 * 40 * 128, 3 * 8192], ids=["hybrid", "chains"])
+def test_lengths_around_the_block_kernels_blocks_match_google_crc32c(kernel, block):
     """The hybrid kernel works in blocks of 48128 bytes (32 KiB of folds, three 5 KiB crc32
-    chains) and leaves the rest to vpclmul: every kernel at and around one, two and five blocks."""
+    chains) and leaves the rest to vpclmul, the chains kernel in blocks of three 8 KiB chains:
+    every kernel at and around one, two and five of either."""
     rng = random.Random(11)
-    block = 256 * 128 + 3 * 40 * 128
     data = rng.randbytes(5 * block + 600)
     for n in [block - 1, block, block + 1, block + 255, 2 * block - 8, 2 * block, 2 * block + 7, 5 * block + 513]:
         start = rng.randrange(0, 64)
