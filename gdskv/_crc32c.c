@@ -200,14 +200,6 @@ static uint32_t crc32c_vpclmul(uint32_t crc, const void *buf, size_t len) {
     return ~crc_bytes(c, p, len);
 }
 
-/* "hybrid": the vector folds and the crc32 instruction at once, on different execution units.
- * A block of HY_BLOCK bytes is cut in four: the first HY_V bytes go through vpclmul's folds, the
- * other three HY_S each through a chain of crc32 instructions (three chains hide its latency),
- * one 256-byte fold step and five 8-byte steps of each chain per loop turn; the four raw states
- * are then joined, each moved past the bytes after it by a multiplication by x^(8m) mod P. On
- * cores that run 512-bit carry-less products at half rate (AMD Zen 4) the folds alone leave the
- * crc32 unit idle. */
-
 /* The raw state `r` moved past m bytes, r * x^(8m) mod P, with `k` the reflected x^(8m - 33) mod
  * P: the 63-bit product read as the crc32 instruction's 64-bit operand carries x^33 more. */
 __attribute__((target("sse4.2,pclmul")))
@@ -218,6 +210,13 @@ static uint32_t moved_past(uint32_t r, uint64_t k) {
 
 #define CRC_STEP(s, q) do { uint64_t v_; memcpy(&v_, (q), 8); (s) = _mm_crc32_u64((s), v_); } while (0)
 
+/* "hybrid": the vector folds and the crc32 instruction at once, on different execution units.
+ * A block of HY_BLOCK bytes is cut in four: the first HY_V bytes go through vpclmul's folds, the
+ * other three HY_S each through a chain of crc32 instructions (three chains hide its latency),
+ * one 256-byte fold step and five 8-byte steps of each chain per loop turn; the four raw states
+ * are then joined, each moved past the bytes after it by a multiplication by x^(8m) mod P. On
+ * cores that run 512-bit carry-less products at half rate (AMD Zen 4) the folds alone leave the
+ * crc32 unit idle. */
 __attribute__((target("avx512f,avx512vl,vpclmulqdq,sse4.2,pclmul")))
 static uint32_t hybrid_block(uint32_t c, const unsigned char *p) {
     const __m512i by256 = _mm512_broadcast_i32x4(K.by256);
@@ -286,8 +285,8 @@ static crc32c_fn faster(crc32c_fn a, crc32c_fn b) {
     return best[0] <= best[1] ? a : b;
 }
 
-/* A kernel by name ("vpclmul", "pclmul"; NULL for the faster one here), or NULL where this CPU
- * or OS lacks what it needs. */
+/* A kernel by name ("vpclmul", "hybrid", "pclmul", "chains"; NULL for the fastest one here), or
+ * NULL where this CPU or OS lacks what it needs. */
 static crc32c_fn kernel(const char *name) {
     __builtin_cpu_init();
     fold_constants();
