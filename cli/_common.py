@@ -104,6 +104,15 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def capacity_limits(cfg: GdsKvConfig) -> str:
+    """The capacity limits the config sets, as a user wrote them (``max_bytes 8.0 MiB``), for the
+    lines that say the limits refused or evicted something (``demo``, ``prewarm``)."""
+    parts = [f"max_bytes {human_bytes(cfg.max_bytes)}" if cfg.max_bytes is not None else "",
+             f"min_free_bytes {human_bytes(cfg.min_free_bytes)}" if cfg.min_free_bytes is not None else "",
+             f"min_free_percent {cfg.min_free_percent:g}" if cfg.min_free_percent is not None else ""]
+    return ", ".join(p for p in parts if p) or "no limit set: the disk was full"
+
+
 def human_age(mtime_ns: int, now_ns: Optional[int] = None) -> str:
     """``"3m ago"``-style age of a wall-clock time in ns."""
     secs = max(0.0, ((now_ns or time.time_ns()) - mtime_ns) / 1e9)

@@ -19,7 +19,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from gdskv.cli._common import config_of, human_bytes, print_json
+from gdskv.cli._common import capacity_limits, config_of, human_bytes, print_json
 from gdskv.config import GdsKvConfig
 from gdskv.cli.output import console as make_console
 from gdskv.cli.prewarm import check_store
@@ -40,14 +40,6 @@ def _phase(store: str, phase: str, *args: str) -> dict[str, Any]:
     raise click.ClickException(f"demo phase {phase!r} failed (exit {out.returncode}): {last}")
 
 
-def _limits(cfg: GdsKvConfig) -> str:
-    """The capacity limits the config sets, as a user wrote them (``max_bytes 8 MiB``)."""
-    parts = [f"max_bytes {human_bytes(cfg.max_bytes)}" if cfg.max_bytes is not None else "",
-             f"min_free_bytes {human_bytes(cfg.min_free_bytes)}" if cfg.min_free_bytes is not None else "",
-             f"min_free_percent {cfg.min_free_percent:g}" if cfg.min_free_percent is not None else ""]
-    return ", ".join(p for p in parts if p) or "no limit set: the disk was full"
-
-
 def _round_trip_verdict(save: dict[str, Any], load: dict[str, Any], cfg: GdsKvConfig, page_bytes: int) -> tuple[str, str]:
     """(problem, note) of the store round trip: a page that differs, one the store holds but did
     not load, or one the save left in the store and the load did not find is a problem; pages the
@@ -62,7 +54,7 @@ def _round_trip_verdict(save: dict[str, Any], load: dict[str, Any], cfg: GdsKvCo
         return f"{load['absent'] - not_kept} pages the save left in the store were missing at load", ""
     if not not_kept:
         return "", ""
-    why = (f"the store's capacity limits ({_limits(cfg)}) refused or evicted {not_kept} of {pages} pages; "
+    why = (f"the store's capacity limits ({capacity_limits(cfg)}) refused or evicted {not_kept} of {pages} pages; "
            f"the demo's pages need {human_bytes(pages * page_bytes)}")
     return (f"no page kept, nothing to check: {why}", "") if not save["kept"] else ("", why)
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 import click
 from rich.table import Table
 
-from gdskv.cli._common import UsageProblem, config_of, human_bytes, print_json
+from gdskv.cli._common import UsageProblem, capacity_limits, config_of, human_bytes, print_json
 from gdskv.cli._remote import remote_client
 from gdskv.cli.push import push_namespaces_of
 from gdskv.cli.output import console
@@ -291,6 +291,7 @@ class Summary:
     blocks_present: Optional[int] = 0
     bytes_written: int = 0
     seconds: float = 0.0
+    evicted: Optional[int] = None  # chunks the capacity limits evicted meanwhile; None: no limit set
 
 
 def _tokenize(tok: Tokenizer, p: Prompt, max_tokens: int) -> list[int]:
@@ -378,6 +379,38 @@ class _StoreDelta:
         """What the store gained since the runner was made, scanned now."""
         now = self._measure()
         return Outcome(blocks_written=now[0] - self._start[0], bytes_written=now[1] - self._start[1])
+
+
+def _limited(cfg: GdsKvConfig) -> bool:
+    """Whether the config sets a capacity limit (a byte budget or a free-space floor)."""
+    from gdskv.eviction import Limits
+
+    return Limits.of(cfg).active
+
+
+class _Evictions:
+    """Chunks the store's capacity limits evicted while prewarm ran, by any process: the REMOVE
+    records its eviction journals gained. Made before the runner, counted after it stopped; not
+    made where the config sets no limit (nothing is evicted then)."""
+
+    def __init__(self, cfg: GdsKvConfig) -> None:
+        from gdskv.eviction.journal import journal_ends
+        from gdskv.store import PageStore
+
+        self.store = PageStore.open(cfg.store_path)
+        try:
+            self._ends = journal_ends(self.store)
+        except FileNotFoundError:  # a store no process has journaled in yet
+            self._ends = {}
+
+    def count(self) -> int:
+        from gdskv.eviction.journal import REMOVE, read_journals
+
+        try:
+            recs, _ = read_journals(self.store, self._ends)
+        except FileNotFoundError:
+            return 0
+        return int((recs["kind"] == REMOVE).sum())
 
 
 class _ExternalRunner:
@@ -632,6 +665,7 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
     summary = Summary(engine, prompts=len(items), blocks_present=0 if engine == "reference" else None)
     with nullcontext() if engine == "reference" else _engine_output_to_stderr():
         runner = _runner(engine, cfg, model, tokenizer, max_tokens, cache_salt, engine_args)
+        evictions = _Evictions(cfg) if _limited(cfg) else None
         t_all = time.perf_counter()
         try:
             with Work("prewarm", len(items), "prompts", status_every(ctx), bar=not as_json, detail=runner.progress) as work:
@@ -651,6 +685,8 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
             settled = runner.close()
     if settled is not None:
         summary.blocks_written, summary.bytes_written = settled.blocks_written, settled.bytes_written
+    if evictions is not None:
+        summary.evicted = evictions.count()
     summary.seconds = time.perf_counter() - t_all
     pushed = None
     if remote:
@@ -672,6 +708,9 @@ def prewarm(ctx: click.Context, prompts: tuple[str, ...], engine: str, model: Op
         present = "" if summary.blocks_present is None else f", {summary.blocks_present} blocks already present"
         out_console.print(f"{summary.done} of {summary.prompts} prompts done: {summary.blocks_written} blocks written{present}, "
                           f"{human_bytes(summary.bytes_written)} in {summary.seconds:.1f} s ({engine} engine)")
+        if summary.evicted:
+            out_console.print(f"the store's capacity limits ({capacity_limits(cfg)}) evicted {summary.evicted} chunks "
+                              "meanwhile, least recent first: the prompts warmed first may not all be held", highlight=False)
         if pushed:
             out_console.print(pushed[2], highlight=False)
     if summary.failed or (pushed and not pushed[1]):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +157,31 @@ def _one_line_refusal(res: Any, path: Path | str, why: str) -> None:
     assert code == 2, (code, res.stdout, err)
     assert len(err.splitlines()) == 1, err
     assert str(path) in err and why in err, err
+
+
+def test_a_budget_smaller_than_the_prompts_is_reported_with_what_it_evicted(tmp_path: Path) -> None:
+    """Warming more than ``max_bytes`` holds evicts the prompts warmed first: the summary says how
+    many chunks went (the eviction journals' records), not only how many were written."""
+    rng = random.Random(4)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "theta"]
+    prompts = tmp_path / "long.txt"
+    prompts.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(400)) for _ in range(4)) + "\n")
+    config = tmp_path / "gdskv.toml"
+    config.write_text('[gdskv]\nmax_bytes = "2M"\n')
+    env = dict(os.environ, OMP_NUM_THREADS="1", GDSKV_CONFIG=str(config))
+    env.pop("GDSKV_STORE", None)
+    store = tmp_path / "store"
+    run = subprocess.run([sys.executable, "-m", "gdskv.cli.main", "--store", str(store), "prewarm", str(prompts)],
+                         capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
+    assert run.returncode == 0, run.stderr
+    no_traceback(run)
+    assert re.search(r"capacity limits \(max_bytes 2\.0 MiB\) evicted \d+ chunks meanwhile", run.stdout), run.stdout
+    again = subprocess.run([sys.executable, "-m", "gdskv.cli.main", "--store", str(store), "prewarm", "--json", str(prompts)],
+                           capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
+    summary = json.loads(again.stdout)
+    assert summary["evicted"] > 0 and summary["blocks_written"] > 0, summary
+    unlimited = json.loads(gdskv(tmp_path / "other", "prewarm", "--json", str(prompts)).stdout)
+    assert unlimited["evicted"] is None and unlimited["blocks_present"] == 0
 
 
 def test_store_root_directory_is_refused_in_one_line(tmp_path: Path) -> None:
