@@ -403,13 +403,16 @@ class _Evictions:
         except FileNotFoundError:  # a store no process has journaled in yet
             self._ends = {}
 
-    def count(self) -> int:
+    def count(self) -> Optional[int]:
+        """The REMOVE records since ``__init__``; None where the journals cannot be read."""
         from gdskv.eviction.journal import REMOVE, read_journals
 
         try:
             recs, _ = read_journals(self.store, self._ends)
         except FileNotFoundError:
             return 0
+        except OSError:
+            return None
         return int((recs["kind"] == REMOVE).sum())
 
 
