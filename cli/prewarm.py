@@ -398,15 +398,20 @@ class _Evictions:
         from gdskv.store import PageStore
 
         self.store = PageStore.open(cfg.store_path)
+        self._ends: Optional[dict[str, int]]
         try:
             self._ends = journal_ends(self.store)
         except FileNotFoundError:  # a store no process has journaled in yet
             self._ends = {}
+        except OSError:
+            self._ends = None
 
     def count(self) -> Optional[int]:
         """The REMOVE records since ``__init__``; None where the journals cannot be read."""
         from gdskv.eviction.journal import REMOVE, read_journals
 
+        if self._ends is None:
+            return None
         try:
             recs, _ = read_journals(self.store, self._ends)
         except FileNotFoundError:
