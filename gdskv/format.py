@@ -176,16 +176,23 @@ def _fixed(name: str, value: Optional[bytes], size: int) -> bytes:
     return bytes(value)
 
 
+def _key_len(block_key: bytes, parent_key: Optional[bytes]) -> int:
+    """The block key's length, 8 or 32, its parent's the same: ``ValueError`` otherwise (``pack``,
+    ``pack_unsealed_into``)."""
+    key_len = len(block_key)
+    if key_len not in (8, 32):
+        raise ValueError(f"trailer: block key must be 8 or 32 bytes, got {key_len}")
+    if parent_key is not None and len(parent_key) != key_len:
+        raise ValueError(f"trailer: parent key is {len(parent_key)} bytes, block key {key_len}")
+    return key_len
+
+
 def pack(t: Trailer) -> bytes:
     """The 128-byte trailer of ``t`` (version ``t.version``; writers leave the default, 2; version
     1 exists so tests can make legacy chunks). Raises ``ValueError`` for a trailer that cannot be
     written: a block key that is not 8 or 32 bytes, a parent of another length, a payload of
     4 GiB or more, a checksum that does not fit, an algorithm the version does not carry."""
-    key_len = len(t.block_key)
-    if key_len not in (8, 32):
-        raise ValueError(f"trailer: block key must be 8 or 32 bytes, got {key_len}")
-    if t.parent_key is not None and len(t.parent_key) != key_len:
-        raise ValueError(f"trailer: parent key is {len(t.parent_key)} bytes, block key {key_len}")
+    _key_len(t.block_key, t.parent_key)
     if t.version not in _ALGOS:
         raise ValueError(f"trailer: cannot write trailer version {t.version}")
     if t.checksum_algo not in _ALGOS[t.version]:
@@ -221,12 +228,12 @@ def pack_unsealed_into(buf: bytearray, offset: int, layer_group: int, payload_nb
     CRC32C and the trailer's own). Called by ``PageTransfer`` for each page of a step's saves, on
     the serving loop's thread: no ``Trailer`` and no checksum of its own. Raises ``ValueError``
     where ``pack`` would."""
-    key_len = len(block_key)
-    if key_len not in (8, 32) or (parent_key is not None and len(parent_key) != key_len) or len(store_key) != 32:
-        raise ValueError(f"trailer: keys of {key_len}, {None if parent_key is None else len(parent_key)} and "
-                         f"{len(store_key)} bytes (block and parent 8 or 32 alike, store key 32)")
-    if not 0 <= payload_nbytes <= MAX_PAYLOAD_V2 or not 0 <= layer_group < 1 << 32:
-        raise ValueError(f"trailer: a page of {payload_nbytes} bytes in layer group {layer_group} cannot be written")
+    key_len = _key_len(block_key, parent_key)
+    _fixed("store key", store_key, 32)
+    if not 0 <= layer_group < 1 << 32:
+        raise ValueError(f"trailer: layer group {layer_group} out of range")
+    if not 0 <= payload_nbytes <= MAX_PAYLOAD_V2:
+        raise ValueError(f"trailer: a page of {payload_nbytes} bytes is too large (pages must be < 4 GiB)")
     flags = (key_len << 8) | (FLAG_HAS_PARENT if parent_key is not None else 0) | (CHECKSUM_CRC32C << _ALGO_SHIFT)
     _UNSEALED_V2.pack_into(buf, offset, MAGIC, 2, flags, layer_group, payload_nbytes, 0, 0, store_key, block_key,
                            parent_key or b"")
