@@ -277,14 +277,20 @@ class Namespace:
             got = batchio.chunk_mtimes(self.store.fs.fd, self.array_relpath(group), self.store_key_run(group, keys), size)
             if got is not None:
                 return got
-        out: list[Optional[int]] = []
+        return [None if st is None else st.st_mtime_ns for _, st in self._chunk_stats(group, keys, size)]
+
+    def _chunk_stats(self, group: int, keys: Sequence[bytes], size: int) -> list[tuple[str, Optional[os.stat_result]]]:
+        """Per key, its chunk's path and ``lstat``, resolved beneath the root, where the chunk is a
+        regular file of ``size`` bytes (else None): ``contains_many`` and ``chunk_mtimes`` where
+        the native batch call is not available."""
+        out: list[tuple[str, Optional[os.stat_result]]] = []
         for key in keys:
+            path = self.chunk_path(group, key)
             try:
-                st = self.store.fs.lstat(self.chunk_path(group, key))
+                st: Optional[os.stat_result] = self.store.fs.lstat(path)
             except OSError:
-                out.append(None)
-                continue
-            out.append(st.st_mtime_ns if stat.S_ISREG(st.st_mode) and st.st_size == size else None)
+                st = None
+            out.append((path, st if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == size else None))
         return out
 
     def contains_many(self, group: int, keys: Sequence[bytes]) -> list[bool]:
@@ -299,19 +305,8 @@ class Namespace:
                 if self._unusable:
                     got = [ok and not self._remembered_unusable(self.chunk_path(group, k)) for ok, k in zip(got, keys)]
                 return got
-        out = []
-        for key in keys:
-            path = self.chunk_path(group, key)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                out.append(False)
-                continue
-            ok = st.st_size == want and stat.S_ISREG(st.st_mode)
-            if ok and self._unusable and self._unusable.get(path) == (st.st_ino, st.st_mtime_ns):
-                ok = False
-            out.append(ok)
-        return out
+        return [st is not None and not (self._unusable and self._unusable.get(path) == (st.st_ino, st.st_mtime_ns))
+                for path, st in self._chunk_stats(group, keys, want)]
 
     @property
     def holds_unusable(self) -> bool:
