@@ -181,9 +181,7 @@ class PageTransfer:
         its future resolves, forgets them, then runs the caller's."""
         if self.ns.store.budget is None:
             return on_done
-        saving = self._saving.get(group)
-        if saving is None:
-            saving = self._saving.setdefault(group, {})
+        saving = self._saving.setdefault(group, {})
         for job in jobs:
             saving[job[0]] = job[1]
 
