@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from gdskv.cli._common import capacity_limits, config_of, human_bytes, print_json
 from gdskv.config import GdsKvConfig
+from gdskv.demo import ENGINE_TOKENS_PER_BLOCK
 from gdskv.cli.output import console as make_console
 from gdskv.cli.prewarm import check_store
 
@@ -60,9 +61,11 @@ def _round_trip_verdict(save: dict[str, Any], load: dict[str, Any], cfg: GdsKvCo
 
 
 @click.command()
-@click.option("--pages-per-prompt", "blocks", default=16, show_default=True, help="Synthetic KV pages per prompt.")
-@click.option("--page-bytes", default=1 << 20, show_default=True, help="Bytes per synthetic KV page.")
-@click.option("--system-tokens", default=480, show_default=True, help="Length of the shared system prompt the engine serves.")
+@click.option("--pages-per-prompt", "blocks", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Synthetic KV pages per prompt.")
+@click.option("--page-bytes", type=click.IntRange(min=1), default=1 << 20, show_default=True, help="Bytes per synthetic KV page.")
+@click.option("--system-tokens", type=click.IntRange(min=ENGINE_TOKENS_PER_BLOCK), default=480, show_default=True,
+              help=f"Length of the shared system prompt the engine serves (one {ENGINE_TOKENS_PER_BLOCK}-token block at least).")
 @click.option("--json", "as_json", is_flag=True, help="Print every phase's figures as JSON instead.")
 @click.pass_context
 def demo(ctx: click.Context, blocks: int, page_bytes: int, system_tokens: int, as_json: bool) -> None:

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def test_demo_round_trips_and_serves_the_prefix(tmp_path):
     """Its stdout is a pipe, as in a log or CI: no line may wrap inside a figure (issue 15)."""
@@ -50,3 +52,13 @@ def test_demo_under_a_budget_that_keeps_no_page_fails_in_one_line(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "no page kept, nothing to check: the store's capacity limits (max_bytes 32.0 KiB)" in out.stdout
     assert "FAILED" in out.stdout and "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("args", [["--page-bytes", "-5"], ["--pages-per-prompt", "0"], ["--system-tokens", "8"]])
+def test_a_bad_demo_option_is_a_one_line_usage_error(tmp_path, args):
+    env = dict(os.environ, GDSKV_STORE=str(tmp_path / "store"))
+    out = subprocess.run([sys.executable, "-m", "gdskv.cli.main", "demo", *args], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr and "Invalid value for" in out.stderr
+    assert not (tmp_path / "store").exists()
