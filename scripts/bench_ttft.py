@@ -29,7 +29,11 @@ engine's), keeping its last 2 GiB of chunks on disk and removing older ones as i
 (unbounded, rounds at disk speed once left 45 GB behind, the disk full, and the next section
 failed). A step counts as
 a decode step when every request it schedules computes one token; its time runs from its
-``build_connector_meta`` to the next one.
+``build_connector_meta`` to the next one. A mode's ratio is paired: the median, over the
+rounds, of its median step over the median step without saves in the same rotation (a rotation
+runs its modes back to back, so the machine's drift between rotations cancels: on the dev VM
+the median step without saves moved 47-51 ms between runs of the same code); the report gives
+the rounds' range beside it.
 
 Page loads through ``KvService`` on torch CPU tensor pools, per page size, every page posted in
 one ``load_many`` as the connectors post a restored prefix: cold (page cache dropped), warm (the
@@ -281,6 +285,7 @@ def decode_section(o: Options, store_path: str) -> list[dict]:
     prompts = [random_prompt(o.decode_prompt, model.vocab_size, 7000 + i) for i in range(o.decode_batch)]
     modes: list[Optional[int]] = [None, *o.save_rates]  # None: no saver
     times: dict[Optional[int], list[float]] = {m: [] for m in modes}
+    round_ms: dict[Optional[int], list[float]] = {m: [] for m in modes}  # each round's median step
     in_flight: dict[Optional[int], list[int]] = {m: [] for m in modes}
     published: dict[Optional[int], int] = {m: 0 for m in modes}
     seconds: dict[Optional[int], float] = {m: 0.0 for m in modes}
@@ -305,13 +310,15 @@ def decode_section(o: Options, store_path: str) -> list[dict]:
                     raise RuntimeError("decode: a round generated other tokens")
                 steps, flight = stack.scheduler.decode_steps()
                 times[mode] += steps
+                round_ms[mode].append(statistics.median(steps))
                 in_flight[mode] += flight
         page = stack.worker.service.bytes_per_page(stack.worker.service.group_ids[0])
     finally:
         stack.close()
-    without = statistics.median(times[None])
+    paired = {m: [a / b for a, b in zip(round_ms[m], round_ms[None])] for m in modes}
     return [{"context": o.decode_prompt, "batch": o.decode_batch, "saves": "none" if m is None else ("as fast as they go" if m == 0 else f"{m >> 20} MiB/s"),
-             "steps": len(times[m]), "step_ms": 1e3 * statistics.median(times[m]), "ratio": statistics.median(times[m]) / without,
+             "steps": len(times[m]), "step_ms": 1e3 * statistics.median(times[m]), "ratio": statistics.median(paired[m]),
+             "round_ratios": paired[m],
              "mean_saves_in_flight": statistics.fmean(in_flight[m]) if in_flight[m] else 0.0,
              "saved_mb_per_s": published[m] * page / seconds[m] / 1e6 if seconds[m] else 0.0} for m in modes]
 
@@ -414,9 +421,11 @@ def report(o: Options, ttft: list[dict], decode: list[dict], loads: list[dict], 
         d0 = decode[0]
         lines += [f"decode step (ms, median), {d0['batch']} requests at {_tokens(d0['context'])} tokens of context, "
                   f"{o.rounds} rounds of each, rotating; target: with saves <= {DECODE_TARGET} x without",
-                  "| saves running | steps | step | ratio | saves in flight per step | saved (MB/s) |", "|---|---|---|---|---|---|"]
+                  "| saves running | steps | step | ratio | rounds' ratios | saves in flight per step | saved (MB/s) |",
+                  "|---|---|---|---|---|---|---|"]
         for d in decode:
-            lines.append(f"| {d['saves']} | {d['steps']} | {d['step_ms']:.1f} | {d['ratio']:.3f} | "
+            spread = f"{min(d['round_ratios']):.3f}-{max(d['round_ratios']):.3f}"
+            lines.append(f"| {d['saves']} | {d['steps']} | {d['step_ms']:.1f} | {d['ratio']:.3f} | {spread} | "
                          f"{d['mean_saves_in_flight']:.1f} | {d['saved_mb_per_s']:.0f} |")
         lines.append("")
     if max_rows:

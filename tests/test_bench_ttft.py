@@ -33,6 +33,8 @@ def test_a_toy_run_reports_every_section(tmp_path):
     without, paced, flat_out = figures["decode"]
     assert without["saves"] == "none" and without["ratio"] == 1.0 and without["steps"] >= 2
     assert paced["steps"] >= 2 and flat_out["steps"] >= 2 and flat_out["saved_mb_per_s"] > 0
+    assert without["round_ratios"] == [1.0] and len(flat_out["round_ratios"]) == 1  # one rotation, paired
+    assert flat_out["ratio"] == flat_out["round_ratios"][0] > 0
     [loads] = figures["loads"]
     assert loads["pages"] == 16 and loads["hot_gbps"] > 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("gdskv-bench-ttft-")], "work directory left behind"
