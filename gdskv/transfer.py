@@ -196,6 +196,11 @@ class PageTransfer:
 
         return finished
 
+    def _admit(self, budget: Any, group: int, nbytes: int, parent: Optional[bytes]) -> bool:
+        """``Budget.admit`` for a save of a chunk of ``nbytes`` under ``parent``, which asks the
+        chain's ``_lineage`` once it may evict, not before it waited."""
+        return budget.admit(self.ns, group, nbytes, lineage=lambda: self._lineage(group, parent))
+
     def _lineage(self, group: int, parent: Optional[bytes]) -> tuple[Optional[bytes], list[bytes]]:
         """``(stored, saving)`` for a save's ``Budget.admit``: the parent and its ancestors that
         saves of this transfer are still writing (nearest first), and the block above them,
@@ -246,11 +251,18 @@ class PageTransfer:
             ns.counters.add("saves_exists")
             return SaveStatus.EXISTS
         budget = ns.store.budget
-        if budget is not None and not budget.admit(ns, group, nbytes + fmt.TRAILER_BYTES, *self._lineage(group, parent)):
-            ns.counters.add("saves_dropped")
-            ns.counters.add("saves_dropped_budget")
-            return SaveStatus.DROPPED
+        if budget is not None and not self._admit(budget, group, nbytes + fmt.TRAILER_BYTES, parent):
+            return self._refused(group, key)
         return self._save_admitted(group, key, parent, segments, path, nbytes)
+
+    def _refused(self, group: int, key: bytes) -> SaveStatus:
+        """A save the budget refused: counted, and no longer on its way (``_saving``) from now,
+        not only once its slice is done, so that a child later in the slice is not admitted, and
+        evicted for, as if its parent would land."""
+        self.ns.counters.add("saves_dropped")
+        self.ns.counters.add("saves_dropped_budget")
+        self._saving.get(group, {}).pop(key, None)
+        return SaveStatus.DROPPED
 
     def _save_admitted(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor], path: str,
                        nbytes: int) -> SaveStatus:
@@ -377,10 +389,8 @@ class PageTransfer:
             admissible = admissible[:admitted]
         for i in admissible:
             key, parent, segments, via = jobs[i]
-            if budget is not None and not serving and not budget.admit(ns, group, chunk_bytes, *self._lineage(group, parent)):
-                ns.counters.add("saves_dropped")
-                ns.counters.add("saves_dropped_budget")
-                out[i] = SaveStatus.DROPPED
+            if budget is not None and not serving and not self._admit(budget, group, chunk_bytes, parent):
+                out[i] = self._refused(group, key)
                 continue
             skey = ns.store_key(group, key)
             at = fmt.TRAILER_BYTES * len(native)

@@ -289,6 +289,37 @@ def test_a_chain_saved_in_one_step_on_a_full_store_evicts_for_every_block(rig: _
     assert not any(rig.xfer._saving.values()), "finished saves are forgotten"
 
 
+def test_a_block_refused_by_the_budget_is_not_counted_on_its_way_for_its_child(rig: _Rig) -> None:
+    """The first block of a chain posted in one step is refused (its eviction waited past
+    ``max_wait_seconds`` for another thread's); its child, next in the slice, must not evict for
+    itself as if the parent would land: it would be stored as an orphan, never served, in place
+    of servable chunks."""
+    budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=16 * CHUNK))
+    assert budget.counted.wait(10)
+    budget.headroom, budget.max_wait_seconds = 0.0, 0.2
+    old = [list(range(100 * c, 100 * c + 16)) for c in range(2)]
+    for tokens in old:
+        assert rig.save_chain(tokens) == [SaveStatus.PUBLISHED] * 8
+    admit, verdicts = budget.admit, []
+
+    def first_waits_out_another_eviction(*args, **kwargs) -> bool:
+        verdicts.append(admit(*args, **kwargs))
+        if len(verdicts) == 1:
+            budget._evicting.release()  # that other eviction ends just after the first gave up
+        return verdicts[-1]
+
+    budget.admit = first_waits_out_another_eviction
+    rig.xfer.depth = 1  # one transfer thread: the chain's blocks in order, two to a slice
+    assert budget._evicting.acquire(timeout=5)
+    keys = chain_keys(list(range(9000, 9008)), TPB)  # 4 blocks: slices of 2 on the one thread
+    items = [(k, keys[i - 1] if i else None, [torch.full((PAGE,), i, dtype=torch.uint8)]) for i, k in enumerate(keys)]
+    assert [f.result() for f in rig.xfer.save_pages(0, items, _Ready())] == [SaveStatus.DROPPED] * 4
+    assert verdicts == [False] * 4
+    assert rig.ns.counters["evicted"] == 0
+    assert all(all(rig.ns.contains_many(0, chain_keys(tokens, TPB))) for tokens in old)
+    assert not any(rig.xfer._saving.values())
+
+
 def test_a_save_found_stored_already_gives_its_reservation_back(rig: _Rig) -> None:
     budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=10 * CHUNK))
     assert budget.counted.wait(10)

@@ -30,6 +30,7 @@ INFLIGHT_TTL_S = 60.0
 """How long ``Budget`` counts an admitted save that has not published (it may have failed)."""
 
 DiskUsage = Callable[[str], tuple[int, int]]
+Lineage = Callable[[], tuple[Optional[bytes], Sequence[bytes]]]
 
 
 def disk_usage(path: str) -> tuple[int, int]:
@@ -104,7 +105,7 @@ class Budget:
 
     # hook -------------------------------------------------------------------------------------
     def admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes] = None,
-              saving: Sequence[bytes] = ()) -> bool:
+              saving: Sequence[bytes] = (), lineage: Optional[Lineage] = None) -> bool:
         """May a chunk of ``nbytes`` be written now? Evicts first when it would cross a limit;
         False (the caller drops and counts the save) when not enough can be evicted, e.g.
         because everything left is pinned, or the index is not ready yet. The chunk's ``parent``
@@ -113,13 +114,15 @@ class Budget:
         ``saving``: the chunk's nearest ancestors that the caller is saving right now (not
         stored yet, or just published), nearest first; ``parent`` is then the block above them,
         which must be stored. They are kept as ``parent`` is, so a chain saved in one go on a
-        full store evicts for all of its blocks, not only the first.
+        full store evicts for all of its blocks, not only the first. ``lineage``: in place of both,
+        a function giving ``(parent, saving)``, asked once this thread may evict (a save of the
+        chain may have been refused while it waited; then its children are not worth room).
         Never raises: an eviction that fails (I/O error, bad index) drops the save, with a log
         line and the namespace's ``eviction_errors`` counter.
         Called by ``PageTransfer`` on a transfer thread, never on the serving loop (which asks
         ``admit_now``)."""
         try:
-            return self._admit(ns, group, nbytes, parent, saving)
+            return self._admit(ns, group, nbytes, lineage or (lambda: (parent, saving)))
         except (OSError, ValueError) as e:
             ns.counters.add("eviction_errors")
             self._log_error(f"gdskv: eviction in {self.store.root} failed, save dropped: {e}")
@@ -135,7 +138,7 @@ class Budget:
             self.start_background()
         return self._try_reserve(nbytes, count)
 
-    def _admit(self, ns: Namespace, group: int, nbytes: int, parent: Optional[bytes], saving: Sequence[bytes]) -> bool:
+    def _admit(self, ns: Namespace, group: int, nbytes: int, lineage: Lineage) -> bool:
         if self.admit_now(nbytes):
             return True
         if not self._evicting.acquire(timeout=self.max_wait_seconds):
@@ -145,6 +148,7 @@ class Budget:
                 return True
             if self._used is None and not self._count(walk=False):
                 return False  # no index yet (the background thread walks the store): the conservative estimate says no
+            parent, saving = lineage()
             if parent is not None and not ns.contains(group, parent):
                 return False  # the chunk would be unservable: not worth evicting anything for
             need = self._need(nbytes)
