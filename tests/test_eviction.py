@@ -320,6 +320,26 @@ def test_a_block_refused_by_the_budget_is_not_counted_on_its_way_for_its_child(r
     assert not any(rig.xfer._saving.values())
 
 
+def test_chunks_used_since_the_index_saw_them_cost_a_second_ranking_not_the_save(rig: _Rig) -> None:
+    """Loads set a chunk's mtime after its lookup journaled its recency, and other processes' loads
+    are not in this process's index at all: the victims the index ranks least recent are found
+    used on disk and kept. The eviction ranks again with their true recency (journaled as they
+    were kept) and makes room. (It used to give up after that first look: the save was dropped,
+    and so was every save after it while the index lagged.)"""
+    budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=8 * CHUNK))
+    assert budget.counted.wait(10)
+    budget.headroom = 0.0
+    a, b = list(range(8)), list(range(100, 108))
+    assert rig.save_chain(a) + rig.save_chain(b) == [SaveStatus.PUBLISHED] * 8
+    assert budget._count(walk=False) is not None  # the index has them all, with their save times
+    later = time.time_ns() + 10**9
+    for k in chain_keys(a, TPB) + chain_keys(b, TPB):  # used since, as another process's loads do
+        os.utime(rig.ns.chunk_path(0, k), ns=(time.time_ns(), later))  # no lease: an atime not ahead
+    assert rig.save_chain([500, 501]) == [SaveStatus.PUBLISHED]
+    assert rig.ns.counters["saves_dropped_budget"] == 0 and rig.ns.counters["evicted"] == 1
+    assert rig.stored_bytes() <= 8 * CHUNK
+
+
 def test_a_save_found_stored_already_gives_its_reservation_back(rig: _Rig) -> None:
     budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=10 * CHUNK))
     assert budget.counted.wait(10)

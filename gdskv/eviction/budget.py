@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 INFLIGHT_TTL_S = 60.0
 """How long ``Budget`` counts an admitted save that has not published (it may have failed)."""
 
+EVICT_ROUNDS = 3
+"""Rankings an eviction makes at most: another after one whose victims turned out used since the
+index saw them."""
+LOOK_AHEAD = 4
+"""An eviction's later rounds read the recency of the chunks that would free this many times the
+bytes still wanted from their files before ranking again."""
+
 DiskUsage = Callable[[str], tuple[int, int]]
 Lineage = Callable[[], tuple[Optional[bytes], Sequence[bytes]]]
 
@@ -161,23 +168,49 @@ class Budget:
 
     def evict(self, need: int, protect: Sequence[str] = ()) -> Removal:
         """Remove at least ``need`` bytes plus the headroom, least recently used first, from the
-        index; pinned chunks, ``protect`` and their ancestors stay. Caller holds ``_evicting``."""
-        try:
-            rows, _, _ = catalog.read(self.store)
-        except catalog.CatalogMissing:
-            self.start_background()
-            return Removal()
-        table = catalog.table(self.store, rows)
+        index; pinned chunks, ``protect`` and their ancestors stay. Chunks used since the index
+        last saw them (a load stamps its chunk after the lookup journaled it; a process without a
+        budget journals nothing) are kept. The ranking is then made again, up to
+        ``EVICT_ROUNDS`` times, after reading the recency of the chunks it would choose among
+        (``LOOK_AHEAD`` times the bytes still wanted) from their files, so a stale index costs a
+        few ``lstat``s, not the save. Caller holds ``_evicting``."""
         base = self.limits.max_bytes or self.limits.floor_bytes(self.disk_usage(str(self.store.root))[0])
-        with self._state:
-            pins = list(self._pins) + list(protect)
-        order = select_victims(table, need + int(self.headroom * base), table.rows_of(pins), now_ns=time.time_ns())
-        done = remove_chunks(self.store, table, order, lambda p: self._pins[_norm(p)] > 0, self._state)
-        with self._state:
-            self._used = max(0, (self._used or 0) - done.freed_bytes)
+        want = need + int(self.headroom * base)
+        done = Removal()
+        for round_ in range(EVICT_ROUNDS):
+            try:
+                rows, _, _ = catalog.read(self.store)
+            except catalog.CatalogMissing:
+                self.start_background()
+                break
+            table = catalog.table(self.store, rows)
+            with self._state:
+                pinned = table.rows_of(list(self._pins) + list(protect))
+            left = want - done.freed_bytes
+            if round_:
+                self._recency_from_files(table, select_victims(table, LOOK_AHEAD * left, pinned, now_ns=time.time_ns()))
+            order = select_victims(table, left, pinned, now_ns=time.time_ns())
+            got = remove_chunks(self.store, table, order, lambda p: self._pins[_norm(p)] > 0, self._state)
+            with self._state:
+                self._used = max(0, (self._used or 0) - got.freed_bytes)
+            done += got
+            if done.freed_bytes >= want or not got.skipped_fresh:
+                break
         if done.removed:
             log.info("gdskv: evicted %d chunks (%d bytes) to stay within %s", done.removed, done.removed_bytes, self.limits)
         return done
+
+    def _recency_from_files(self, table: catalog.ChunkTable, rows: Sequence[int]) -> None:
+        """Raise ``table``'s recency of ``rows`` to their files' mtimes where those are newer
+        (``evict``'s later rounds); a file that cannot be stat-ed keeps the index's."""
+        for row in rows:
+            ref = table.arrays[int(table.array[row])]
+            try:
+                mtime = self.store.fs.lstat(ref.chunk_rel(int(table.index[row]))).st_mtime_ns
+            except OSError:
+                continue
+            if mtime > table.mtime_ns[row]:
+                table.mtime_ns[row] = mtime
 
     def on_published(self, ns: Namespace, group: int, key: bytes, parent: Optional[bytes], nbytes: int) -> None:
         """A chunk was renamed into place (``on_published_many`` for one). Called by

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -39,6 +39,10 @@ class Removal:
     failed: int = 0
     skipped_leased: int = 0
     skipped_fresh: int = 0
+
+    def __add__(self, other: "Removal") -> "Removal":
+        """Both removals' counts summed (``Budget.evict``'s rounds)."""
+        return Removal(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 _doomed_seq = itertools.count()
