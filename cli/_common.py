@@ -20,6 +20,10 @@ from gdskv.config import ConfigError, GdsKvConfig, load_config, parse_size
 from gdskv.store import Namespace, PageStore, StoreError
 
 
+STORE_HINT = "Pass --store PATH or set GDSKV_STORE."
+"""The end of a usage problem about the store path."""
+
+
 class UsageProblem(click.ClickException):
     """A usage error reported without the usage text (exit code 2)."""
 
@@ -43,7 +47,7 @@ def open_existing(ctx: click.Context) -> tuple[GdsKvConfig, PageStore]:
         return cfg, PageStore.from_config(cfg, create=False)
     except (StoreError, OSError) as e:
         why = str(e) if root.exists() else f"{root} is not a gdskv store (it does not exist)"
-        raise UsageProblem(f"{why}; refusing to touch it. Pass --store PATH or set GDSKV_STORE.") from None
+        raise UsageProblem(f"{why}; refusing to touch it. {STORE_HINT}") from None
 
 
 def auth_key_of(cfg: GdsKvConfig) -> Optional[bytes]:

@@ -51,13 +51,13 @@ def prompt_blocks_of(prompts: tuple[str, ...], tokenizer: Optional[str], cache_s
     cannot be read or is empty is left out."""
     if not prompts:
         return None
-    from gdskv.cli.prewarm import ByteTokenizer, HfTokenizer, _tokenize, read_prompts
+    from gdskv.cli.prewarm import ByteTokenizer, HfTokenizer, read_prompts, tokenize
 
     tok = HfTokenizer.load(tokenizer) if tokenizer else ByteTokenizer()
     token_lists = []
     for p in read_prompts(prompts):
         try:
-            token_lists.append(_tokenize(tok, p, 1 << 30))
+            token_lists.append(tokenize(tok, p, 1 << 30))
         except ValueError:
             continue
     return prompt_blocks(token_lists, cache_salt)

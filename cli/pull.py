@@ -16,7 +16,7 @@ from typing import Optional
 import click
 from rich.console import Console
 
-from gdskv.cli._common import UsageProblem, auth_key_of, config_of, print_json
+from gdskv.cli._common import STORE_HINT, UsageProblem, auth_key_of, config_of, print_json
 from gdskv.cli._remote import namespace_filter, prompt_blocks_of, prompt_options, remote_client
 from gdskv.eviction import install_budget
 from gdskv.remote import RemoteUnavailable
@@ -37,7 +37,7 @@ def pull(ctx: click.Context, namespace: Optional[str], prompts: tuple[str, ...],
     try:
         store = PageStore.from_config(cfg)  # like prewarm, pull may make the store
     except (StoreError, OSError) as e:
-        raise UsageProblem(f"{e}; refusing to touch it. Pass --store PATH or set GDSKV_STORE.") from None
+        raise UsageProblem(f"{e}; refusing to touch it. {STORE_HINT}") from None
     install_budget(store, cfg)  # pulled chunks are admitted, and room made, as a server's saves are
     _, client = remote_client(ctx)
     try:

@@ -318,18 +318,18 @@ def test_store_delta_counts_the_whole_run_in_two_scans(tmp_path: Path, monkeypat
     when the runner is made, one once the engine stopped, however many prompts ran between, so
     blocks the engine wrote during its prompts and as it stopped are all counted, and nothing
     that was there before."""
-    from gdskv.cli.prewarm import _StoreDelta
+    from gdskv.cli.prewarm import StoreDelta
     from gdskv.config import GdsKvConfig
 
     root = tmp_path / "store"
-    scans, measure = [], _StoreDelta._measure
-    monkeypatch.setattr(_StoreDelta, "_measure", lambda self: scans.append(1) or measure(self))
-    delta = _StoreDelta(GdsKvConfig(store_path=str(root)))
+    scans, measure = [], StoreDelta._measure
+    monkeypatch.setattr(StoreDelta, "_measure", lambda self: scans.append(1) or measure(self))
+    delta = StoreDelta(GdsKvConfig(store_path=str(root)))
     build_store(root, _chains(1, 3))  # the prompts: 3 blocks in 2 groups
     build_store(root, _chains(2, 3))  # written as the engine stopped: one new block in 2 groups
     run_total = delta.written()
     assert (run_total.blocks_written, run_total.bytes_written) == (8, 8 * CHUNK) and len(scans) == 2
-    again = _StoreDelta(GdsKvConfig(store_path=str(root)))
+    again = StoreDelta(GdsKvConfig(store_path=str(root)))
     assert (again.written().blocks_written, again.written().bytes_written) == (0, 0)  # what was there is not counted
 
 

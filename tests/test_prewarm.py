@@ -238,7 +238,7 @@ def test_read_only_location_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_connector_setup_error_at_engine_bring_up_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gdskv.cli import prewarm as mod
+    from gdskv.cli.prewarm import reference as mod
     from gdskv.connectors.trtllm import ConnectorSetupError
 
     def refuse(*_a: Any, **_k: Any) -> Any:
