@@ -171,9 +171,10 @@ class Budget:
         index; pinned chunks, ``protect`` and their ancestors stay. Chunks used since the index
         last saw them (a load stamps its chunk after the lookup journaled it; a process without a
         budget journals nothing) are kept. The ranking is then made again, up to
-        ``EVICT_ROUNDS`` times, after reading the recency of the chunks it would choose among
-        (``LOOK_AHEAD`` times the bytes still wanted) from their files, so a stale index costs a
-        few ``lstat``s, not the save. Caller holds ``_evicting``."""
+        ``EVICT_ROUNDS`` times while ``need`` itself is not met, after reading the recency of
+        the chunks it would choose among (``LOOK_AHEAD`` times the bytes still wanted) from their
+        files, so a stale index costs a few ``lstat``s, not the save. Caller holds
+        ``_evicting``."""
         base = self.limits.max_bytes or self.limits.floor_bytes(self.disk_usage(str(self.store.root))[0])
         want = need + int(self.headroom * base)
         done = Removal()
@@ -194,8 +195,8 @@ class Budget:
             with self._state:
                 self._used = max(0, (self._used or 0) - got.freed_bytes)
             done += got
-            if done.freed_bytes >= want or not got.skipped_fresh:
-                break
+            if done.freed_bytes >= need or not got.skipped_fresh:
+                break  # the headroom alone is not worth another reading of the index
         if done.removed:
             log.info("gdskv: evicted %d chunks (%d bytes) to stay within %s", done.removed, done.removed_bytes, self.limits)
         return done
