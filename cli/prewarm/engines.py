@@ -87,7 +87,8 @@ class VllmRunner(ExternalRunner):
     """vLLM's offline ``LLM`` with gdskv's KV connector (needs ``vllm``): the kv-transfer-config
     of docs/vllm.md, ``kv_load_failure_policy="recompute"`` included. vLLM's own prefix cache stays
     on (a prompt repeated within the run is served from the device); the connector saves every
-    full block it computes."""
+    full block it computes. The store's path reaches vLLM's workers in
+    ``kv_connector_extra_config``, the rest of gdskv's config as every server gets it."""
 
     def __init__(self, cfg: GdsKvConfig, model: str, tokenizer: Optional[str], max_tokens: int,
                  engine_args: dict[str, Any]) -> None:
@@ -96,7 +97,6 @@ class VllmRunner(ExternalRunner):
             from vllm.config import KVTransferConfig
         except ImportError:
             raise UsageProblem("--engine vllm needs vLLM (vllm does not import in this Python)") from None
-        os.environ["GDSKV_STORE"] = cfg.store_path
         self.params = SamplingParams(max_tokens=1)
         self.llm = LLM(model=model, tokenizer=tokenizer, kv_transfer_config=KVTransferConfig(
             kv_connector="GdsKvConnector", kv_connector_module_path="gdskv.connectors.vllm", kv_role="kv_both",
