@@ -67,8 +67,8 @@ def publish(ns: Namespace, group: int, key: bytes, data: Any, coming: Optional[C
     parent = parent_of(data)
     if store.budget is not None:
         on_its_way = parent is not None and coming is not None and coming(parent)
-        if not (store.budget.admit(ns, group, nbytes, None, [parent]) if on_its_way
-                else store.budget.admit(ns, group, nbytes, parent)):
+        stored, saving = (None, [parent]) if on_its_way else (parent, [])
+        if not store.budget.admit(ns, group, nbytes, stored, saving):
             return False
     rel_dir, name = ns.chunk_location(group, key)
     with store.fs.directory(rel_dir, create=True) as dfd:
