@@ -87,6 +87,25 @@ def test_depths_of_a_long_chain() -> None:
     assert ev.depths(parent).tolist() == list(range(n))
 
 
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 9), st.booleans()), min_size=1, max_size=30),
+       want=st.integers(1, 400))
+def test_a_table_less_removed_rows_ranks_as_a_table_of_what_is_left(shape: list[tuple[int, int, bool]], want: int) -> None:
+    """``ChunkTable.without`` (a later ranking of ``Budget.evict``) renumbers parents: it ranks
+    what is left exactly as a table built from the remaining chunks, where a chunk whose parent
+    went is a root."""
+    chunks = [_c(i, None if up % (i + 1) == i or not i else up % i, mtime, nbytes=10 + i)
+              for i, (up, mtime, _) in enumerate(shape)]
+    gone = [i for i, (_, _, drop) in enumerate(shape) if drop]
+    left = [c for i, c in enumerate(chunks) if i not in gone]
+    less = ev.ChunkTable.from_chunks(chunks).without(gone)
+    fresh = ev.ChunkTable.from_chunks(left)
+    assert less.parent.tolist() == fresh.parent.tolist()
+    assert less.index.tolist() == fresh.index.tolist()
+    assert select_victims(less, want).tolist() == select_victims(fresh, want).tolist()
+    assert select_victims(less, None).tolist() == select_victims(fresh, None).tolist()
+
+
 def test_shortfall() -> None:
     assert shortfall(Limits(max_bytes=100), used=90, fs_total=1000, fs_free=500, incoming=10) == 0
     assert shortfall(Limits(max_bytes=100), used=95, fs_total=1000, fs_free=500, incoming=10) == 5
@@ -320,7 +339,8 @@ def test_a_block_refused_by_the_budget_is_not_counted_on_its_way_for_its_child(r
     assert not any(rig.xfer._saving.values())
 
 
-def test_chunks_used_since_the_index_saw_them_cost_a_second_ranking_not_the_save(rig: _Rig) -> None:
+def test_chunks_used_since_the_index_saw_them_cost_a_second_ranking_not_the_save(rig: _Rig,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Loads set a chunk's mtime after its lookup journaled its recency, and other processes' loads
     are not in this process's index at all: the victims the index ranks least recent are found
     used on disk and kept. The eviction ranks again with their true recency (journaled as they
@@ -335,9 +355,12 @@ def test_chunks_used_since_the_index_saw_them_cost_a_second_ranking_not_the_save
     later = time.time_ns() + 10**9
     for k in chain_keys(a, TPB) + chain_keys(b, TPB):  # used since, as another process's loads do
         os.utime(rig.ns.chunk_path(0, k), ns=(time.time_ns(), later))  # no lease: an atime not ahead
+    reads, read = [], ev.catalog.read
+    monkeypatch.setattr(ev.catalog, "read", lambda store: reads.append(store) or read(store))
     assert rig.save_chain([500, 501]) == [SaveStatus.PUBLISHED]
     assert rig.ns.counters["saves_dropped_budget"] == 0 and rig.ns.counters["evicted"] == 1
     assert rig.stored_bytes() <= 8 * CHUNK
+    assert len(reads) == 1, "the second ranking is made on the table already read, less what was removed"
 
 
 def test_a_save_found_stored_already_gives_its_reservation_back(rig: _Rig) -> None:

@@ -106,6 +106,23 @@ class ChunkTable:
             mask |= (self.array == a) & np.isin(self.index, np.array(indexes, dtype=np.uint64))
         return np.nonzero(mask)[0]
 
+    def without(self, rows: Sequence[int]) -> "ChunkTable":
+        """This table less ``rows``, parents renumbered (a parent left out makes its children
+        roots). ``Budget.evict`` ranks again on it after removing ``rows``, rather than reading
+        the whole index once more."""
+        if not len(rows):
+            return self
+        keep = np.ones(len(self), dtype=bool)
+        keep[np.asarray(rows, dtype=np.int64)] = False
+        renumbered = np.cumsum(keep, dtype=np.int64) - 1
+        renumbered[~keep] = -1
+        parent = self.parent[keep]
+        linked = parent >= 0
+        parent[linked] = renumbered[parent[linked]]
+        leased = None if self.leased_until_ns is None else self.leased_until_ns[keep]
+        return ChunkTable(self.arrays, self.array[keep], self.index[keep], parent, self.nbytes[keep],
+                          self.mtime_ns[keep], leased)
+
     @classmethod
     def from_chunks(cls, chunks: Sequence[ChunkInfo]) -> "ChunkTable":
         """Columns from rows (parents resolved within the same namespace and layer group)."""

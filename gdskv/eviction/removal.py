@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 class Removal:
     """What ``remove_chunks`` did. ``freed_bytes`` includes chunks another process removed first.
     ``skipped_leased``: chunks a lookup leased after the scan (kept, with their ancestors);
-    ``skipped_fresh``: chunks used or published again after the ranking (kept likewise)."""
+    ``skipped_fresh``: chunks used or published again after the ranking (kept likewise).
+    ``freed_rows``: the ranked table's rows of the removed and gone chunks, which
+    ``Budget.evict`` leaves out of its next ranking (``ChunkTable.without``)."""
 
     removed: int = 0
     removed_bytes: int = 0
@@ -39,10 +41,13 @@ class Removal:
     failed: int = 0
     skipped_leased: int = 0
     skipped_fresh: int = 0
+    freed_rows: list[int] = field(default_factory=list, repr=False)
 
     def __add__(self, other: "Removal") -> "Removal":
-        """Both removals' counts summed (``Budget.evict``'s rounds)."""
-        return Removal(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        """Both removals' counts summed (``Budget.evict``'s rounds); ``freed_rows`` name rows of
+        the table each one ranked, so the sum has none."""
+        return Removal(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+                          if f.name != "freed_rows"})
 
 
 _doomed_seq = itertools.count()
@@ -164,7 +169,9 @@ def remove_chunks(store: PageStore, table: ChunkTable, rows: Sequence[int],
         elif status == "gone":
             out.already_gone += 1
             out.freed_bytes += nbytes
+            out.freed_rows.append(row)
         else:
+            out.freed_rows.append(row)
             out.removed += 1
             out.removed_bytes += nbytes
             out.freed_bytes += nbytes
