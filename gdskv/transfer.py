@@ -143,9 +143,11 @@ class PageTransfer:
         self._reaper: Optional[threading.Thread] = None
         self._later_lock = threading.Lock()
         self._closed = False
-        # per layer group, key -> parent of every save posted and not finished yet: what
-        # ``_lineage`` tells the budget about a parent that is on its way
-        self._saving: dict[int, dict[bytes, Optional[bytes]]] = {}
+        # per layer group, key -> [parent, copies posted and not finished, copies of them the
+        # budget refused] of every save on its way: what ``_lineage`` tells the budget about a
+        # parent (two requests of a step may post the same block)
+        self._saving: dict[int, dict[bytes, list]] = {}
+        self._saving_lock = threading.Lock()
 
     # --- saves --------------------------------------------------------------------------------
     def save_page(self, group: int, key: bytes, parent: Optional[bytes], segments: Sequence[torch.Tensor],
@@ -181,16 +183,18 @@ class PageTransfer:
         its future resolves, forgets them, then runs the caller's."""
         if self.ns.store.budget is None:
             return on_done
-        saving = self._saving.setdefault(group, {})
-        for job in jobs:
-            saving[job[0]] = job[1]
+        with self._saving_lock:
+            saving = self._saving.setdefault(group, {})
+            for job in jobs:
+                entry = saving.setdefault(job[0], [job[1], 0, 0])
+                entry[1] += 1
 
         def finished(done: list[int], results: Optional[list[Any]], skipped: list[int]) -> None:
-            forget = saving.pop
-            for i in done:
-                forget(jobs[i][0], None)
-            for i in skipped:
-                forget(jobs[i][0], None)
+            with self._saving_lock:
+                for i, k in enumerate(done):
+                    _forget(saving, jobs[k][0], results[i] is SaveStatus.DROPPED if results else True)
+                for k in skipped:
+                    _forget(saving, jobs[k][0], False)
             if on_done is not None:
                 on_done(done, results, skipped)
 
@@ -207,13 +211,14 @@ class PageTransfer:
         which must be stored already. A step's chain on a full store then evicts for every
         block, not only the ones whose parent had landed."""
         saving: list[bytes] = []
-        posted = self._saving.get(group, {})
-        while parent is not None and len(saving) <= len(posted):
-            up = posted.get(parent, _NOT_SAVING)
-            if up is _NOT_SAVING:
-                break
-            saving.append(parent)
-            parent = up
+        with self._saving_lock:
+            posted = self._saving.get(group, {})
+            while parent is not None and len(saving) <= len(posted):
+                entry = posted.get(parent)
+                if entry is None or entry[1] <= entry[2]:
+                    break  # not posted, or every copy of it refused
+                saving.append(parent)
+                parent = entry[0]
         return parent, saving
 
     def _save(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor],
@@ -256,12 +261,15 @@ class PageTransfer:
         return self._save_admitted(group, key, parent, segments, path, nbytes)
 
     def _refused(self, group: int, key: bytes) -> SaveStatus:
-        """A save the budget refused: counted, and no longer on its way (``_saving``) from now,
-        not only once its slice is done, so that a child later in the slice is not admitted, and
-        evicted for, as if its parent would land."""
+        """A save the budget refused: counted, and this copy no longer on its way (``_saving``)
+        from now, not only once its slice is done, so that a child later in the slice is not
+        admitted, and evicted for, as if its parent would land."""
         self.ns.counters.add("saves_dropped")
         self.ns.counters.add("saves_dropped_budget")
-        self._saving.get(group, {}).pop(key, None)
+        with self._saving_lock:
+            entry = self._saving.get(group, {}).get(key)
+            if entry is not None:
+                entry[2] += 1
         return SaveStatus.DROPPED
 
     def _save_admitted(self, group: int, key: bytes, parent: Optional[bytes], segments: list[torch.Tensor], path: str,
@@ -954,7 +962,17 @@ class PageTransfer:
         self.ns.store.flush_stats()
 
 
-_NOT_SAVING = object()
+def _forget(saving: dict[bytes, list], key: bytes, dropped: bool) -> None:
+    """One finished copy of a save in ``PageTransfer._saving`` (under its lock): ``dropped``
+    (or its slice failed) settles one refusal of the key, if any was counted."""
+    entry = saving.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if dropped and entry[2]:
+        entry[2] -= 1
+    if entry[1] <= 0:
+        del saving[key]
 
 
 def _bookkeep(on_done: Optional[DoneFn], done: list[int], results: Optional[list[Any]], skipped: Sequence[int] = ()) -> None:

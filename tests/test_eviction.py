@@ -339,6 +339,39 @@ def test_a_block_refused_by_the_budget_is_not_counted_on_its_way_for_its_child(r
     assert not any(rig.xfer._saving.values())
 
 
+def test_a_block_two_requests_post_stays_on_its_way_while_one_copy_is(rig: _Rig) -> None:
+    """Two requests of a step post the same block. The first request's copy is refused (its
+    eviction waited out another's) while the second's is still to come: the block is still on
+    its way for the second request's children, which the budget makes room for. (The first
+    copy's refusal used to forget the block for both: the second chain's children were dropped
+    as orphans although their parent landed.)"""
+    budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=16 * CHUNK))
+    assert budget.counted.wait(10)
+    budget.headroom, budget.max_wait_seconds = 0.0, 0.2
+    for tokens in (list(range(100 * c, 100 * c + 16)) for c in range(2)):
+        assert rig.save_chain(tokens) == [SaveStatus.PUBLISHED] * 8
+    gate = threading.Event()
+
+    class Gated:
+        def synchronize(self) -> None:
+            assert gate.wait(10)
+
+    rig.xfer.depth = 1  # one transfer thread a batch: the chain's blocks in order, two to a slice
+    keys = chain_keys(list(range(9000, 9008)), TPB)
+    items = [(k, keys[i - 1] if i else None, [torch.full((PAGE,), i, dtype=torch.uint8)]) for i, k in enumerate(keys)]
+    second = rig.xfer.save_pages(0, items, Gated())
+    assert budget._evicting.acquire(timeout=5)  # another thread's eviction, which the first copy waits out
+    try:
+        assert rig.xfer.save_pages(0, items[:1], _Ready())[0].result(timeout=10) is SaveStatus.DROPPED
+    finally:
+        budget._evicting.release()
+    gate.set()
+    assert [f.result(timeout=10) for f in second] == [SaveStatus.PUBLISHED] * 4
+    assert rig.ns.counters["saves_dropped_budget"] == 1
+    assert all(rig.ns.contains_many(0, keys)) and rig.stored_bytes() <= 16 * CHUNK
+    assert not any(rig.xfer._saving.values()), "finished saves are forgotten"
+
+
 def test_chunks_used_since_the_index_saw_them_cost_a_second_ranking_not_the_save(rig: _Rig,
                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Loads set a chunk's mtime after its lookup journaled its recency, and other processes' loads
