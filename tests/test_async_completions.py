@@ -16,7 +16,7 @@ from gdskv.io import batch as batchio
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
-from gdskv import transfer
+from gdskv.transfer import later as transfer_later
 from gdskv.transfer import LoadStatus, PageTransfer, SaveStatus
 
 KEYS = chain_keys(list(range(16 * 40)), 16, "later")
@@ -66,7 +66,7 @@ def test_a_background_load_is_finished_on_the_thread_that_reaps_it(store_path):
 
 
 def test_a_background_load_nobody_reaps_finishes_by_itself_after_the_grace(store_path, monkeypatch):
-    monkeypatch.setattr(transfer, "REAP_GRACE", 0.3)
+    monkeypatch.setattr(transfer_later, "REAP_GRACE", 0.3)
     x = make(store_path)
     src = saved(x, 8)
     dst = torch.zeros(8, PAGE, dtype=torch.uint8)
@@ -81,7 +81,7 @@ def test_a_background_load_nobody_reaps_finishes_by_itself_after_the_grace(store
 
 
 def test_a_caller_blocked_on_a_result_does_not_wait_out_the_grace(store_path, monkeypatch):
-    monkeypatch.setattr(transfer, "REAP_GRACE", 3600.0)
+    monkeypatch.setattr(transfer_later, "REAP_GRACE", 3600.0)
     x = make(store_path)
     src = saved(x, 8)  # the saves' results are waited for too
     dst = torch.zeros(8, PAGE, dtype=torch.uint8)

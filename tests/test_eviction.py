@@ -305,7 +305,7 @@ def test_a_chain_saved_in_one_step_on_a_full_store_evicts_for_every_block(rig: _
     for tokens in old:  # what is left of an older chain is a prefix of it
         present = rig.ns.contains_many(0, chain_keys(tokens, TPB))
         assert present == sorted(present, reverse=True)
-    assert not any(rig.xfer._saving.values()), "finished saves are forgotten"
+    assert len(rig.xfer._saving) == 0, "finished saves are forgotten"
 
 
 def test_a_block_refused_by_the_budget_is_not_counted_on_its_way_for_its_child(rig: _Rig) -> None:
@@ -336,7 +336,7 @@ def test_a_block_refused_by_the_budget_is_not_counted_on_its_way_for_its_child(r
     assert verdicts == [False] * 4
     assert rig.ns.counters["evicted"] == 0
     assert all(all(rig.ns.contains_many(0, chain_keys(tokens, TPB))) for tokens in old)
-    assert not any(rig.xfer._saving.values())
+    assert len(rig.xfer._saving) == 0
 
 
 def test_a_block_two_requests_post_stays_on_its_way_while_one_copy_is(rig: _Rig) -> None:
@@ -369,7 +369,7 @@ def test_a_block_two_requests_post_stays_on_its_way_while_one_copy_is(rig: _Rig)
     assert [f.result(timeout=10) for f in second] == [SaveStatus.PUBLISHED] * 4
     assert rig.ns.counters["saves_dropped_budget"] == 1
     assert all(rig.ns.contains_many(0, keys)) and rig.stored_bytes() <= 16 * CHUNK
-    assert not any(rig.xfer._saving.values()), "finished saves are forgotten"
+    assert len(rig.xfer._saving) == 0, "finished saves are forgotten"
 
 
 def test_chunks_used_since_the_index_saw_them_cost_a_second_ranking_not_the_save(rig: _Rig,

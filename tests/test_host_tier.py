@@ -679,9 +679,9 @@ def test_an_asynchronous_loads_hits_without_a_native_path_go_to_the_copy_threads
 
 
 def test_an_unreaped_asynchronous_hit_resolves_for_a_caller_blocked_on_it(tmp_path, monkeypatch):
-    from gdskv import transfer
+    from gdskv.transfer import later as transfer_later
 
-    monkeypatch.setattr(transfer, "REAP_GRACE", 3600.0)
+    monkeypatch.setattr(transfer_later, "REAP_GRACE", 3600.0)
     svc = KvService(cfg_at(tmp_path, host_bytes="1M"), spec())
     keys = svc.keys(TOKENS)
     save_all(svc, keys[:2])

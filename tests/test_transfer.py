@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gdskv import format as fmt
-from gdskv import transfer as transfer_module
+from gdskv.transfer import core as transfer_core
 from gdskv.io import batch as batchio
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
@@ -99,9 +99,9 @@ def staged_native(store_path, monkeypatch):
         raise AssertionError("a staged slice went to the per-page path")
 
     monkeypatch.setattr(x, "_staged", per_page)
-    gathered, scattered = _Spy(transfer_module.gather_all), _Spy(transfer_module.scatter_all)
-    monkeypatch.setattr(transfer_module, "gather_all", gathered)
-    monkeypatch.setattr(transfer_module, "scatter_all", scattered)
+    gathered, scattered = _Spy(transfer_core.gather_all), _Spy(transfer_core.scatter_all)
+    monkeypatch.setattr(transfer_core, "gather_all", gathered)
+    monkeypatch.setattr(transfer_core, "scatter_all", scattered)
     yield x, gathered, scattered
     x.close()
 
