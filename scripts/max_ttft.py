@@ -60,10 +60,13 @@ def max_python(given: Optional[str]) -> Path:
 
 def max_env(python: Path, extra: dict[str, str]) -> dict[str, str]:
     """The environment of a process of MAX's virtualenv (``python`` is its interpreter): none
-    of this process's gdskv settings, offline, no telemetry, the compile cache inside that
-    virtualenv (unless ``MODULAR_CACHE_DIR`` names one), then ``extra``. Also used by
-    ``tests/test_max_integration.py``."""
+    of this process's gdskv settings, no virtualenv on ``PATH`` (as a user runs the
+    virtualenv's interpreter without activating it), offline, no telemetry, the compile cache
+    inside that virtualenv (unless ``MODULAR_CACHE_DIR`` names one), then ``extra``. Also used
+    by ``tests/test_max_integration.py``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GDSKV_") and k != "PYTHONPATH"}
+    env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)
+                                  if not (Path(d).parent / "pyvenv.cfg").exists())
     env.update(HF_HUB_OFFLINE="1", MAX_SERVE_DISABLE_TELEMETRY="1")
     env.setdefault("MODULAR_CACHE_DIR", str(python.parent.parent / "modular-cache"))
     env.update(extra)

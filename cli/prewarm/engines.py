@@ -47,6 +47,9 @@ class MaxRunner(ExternalRunner):
     so that an engine that stops fails the run instead of hanging it (``OfflineLlm``)."""
 
     def __init__(self, cfg: GdsKvConfig, model: str, max_tokens: int, engine_args: dict[str, Any]) -> None:
+        from gdskv.connectors.max.interpreter import workers_run_this_python
+
+        workers_run_this_python()
         try:
             from max.pipelines.lib import PipelineArgs
         except ImportError:

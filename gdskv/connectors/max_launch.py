@@ -7,6 +7,9 @@ from __future__ import annotations
 import importlib.util
 
 if __name__ == "__main__" and importlib.util.find_spec("max") is not None:
+    from gdskv.connectors.max.interpreter import workers_run_this_python
+
+    workers_run_this_python()  # before MAX loads: its runtime picks the workers' Python then
     from max._entrypoints.allocator import reexec_with_jemalloc
 
     reexec_with_jemalloc()

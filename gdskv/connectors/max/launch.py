@@ -26,6 +26,11 @@ import sys
 MISSING = "gdskv-max runs Modular MAX's CLI with gdskv's connector, and MAX is not installed in this Python (see docs/max.md)"
 HAS_MAX = importlib.util.find_spec("max") is not None
 
+if HAS_MAX:
+    from gdskv.connectors.max.interpreter import workers_run_this_python
+
+    workers_run_this_python()  # before MAX loads: its runtime picks the workers' Python then
+
 if __name__ == "__main__" and HAS_MAX:
     from max._entrypoints.allocator import reexec_with_jemalloc
 
