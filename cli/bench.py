@@ -87,7 +87,7 @@ def _progress_log(options: Any, as_json: bool) -> Any:
 @click.pass_context
 def bench(ctx: click.Context, plot_path: Optional[str], directory: Optional[str], as_json: bool, bench_args: tuple[str, ...]) -> None:
     """Save/load GB/s of the store against raw sequential I/O and torch.save, on the store's disk."""
-    from gdskv.bench_options import parse_args  # a usage mistake is answered before torch is imported
+    from gdskv.bench.options import parse_args  # a usage mistake is answered before torch is imported
 
     if plot_path is not None:
         try:

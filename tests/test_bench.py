@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gdskv.bench import ChunkWriter, FilePerPage, _Subject, measure
+from gdskv.bench import ChunkWriter, FilePerPage, Subject, measure
 from gdskv.io.posix import PosixEngine
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
 from gdskv.transfer import LoadStatus, PageTransfer
@@ -131,7 +131,7 @@ def test_the_peer_driver_loop_answers_each_command_and_reports_failures(tmp_path
     assert answers[3] == {"ok": True, "sum": 2}
 
 
-class _OneFile(_Subject):
+class _OneFile(Subject):
     """Pages in one real file; ``warm_reads`` False: a warm load that moves nothing (a bug the
     bench must catch, since the target was cleared before it)."""
 
@@ -353,7 +353,7 @@ def test_a_peer_driver_whose_bench_is_killed_exits_by_itself(tmp_path: Path) -> 
 
 
 def test_a_row_meets_its_target_only_when_every_ratio_of_the_issue_does() -> None:
-    from gdskv.bench import _add_ratios
+    from gdskv.bench import add_ratios
 
     def row(subject: str, save: float, cold: float, warm: float, hot: float = 0.0) -> dict:
         return {"page_bytes": 1 << 20, "subject": subject, "save_gbps": save, "load_cold_gbps": cold,
@@ -369,5 +369,5 @@ def test_a_row_meets_its_target_only_when_every_ratio_of_the_issue_does() -> Non
              "store:slow-warm": (row("store:slow-warm", 1.8, 1.95, 7.9), False),
              "service:cool-tier": (row("service:cool-tier", 1.8, 1.95, 8.0, 9.7), False)}
     report = {"results": base + [r for r, _ in cases.values()]}
-    _add_ratios(report, 1 << 20)
+    add_ratios(report, 1 << 20)
     assert {name: r["meets_target"] for name, (r, _) in cases.items()} == {n: want for n, (_, want) in cases.items()}

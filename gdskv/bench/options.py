@@ -1,6 +1,7 @@
 """The options of ``gdskv bench`` (``BenchOptions``) and their command line (``parse_args``),
-apart from the benchmark itself so that a usage mistake is answered before torch is imported.
-``gdskv.bench`` re-exports every name; ``OneLineParser`` is the benchmark scripts' parser too."""
+apart from the benchmark itself so that a usage mistake is answered before torch is imported
+(``gdskv.bench`` imports nothing until a name is used). ``OneLineParser`` is the benchmark
+scripts' parser too."""
 from __future__ import annotations
 
 import argparse
