@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 from gdskv.futures import batch_futures, resolve_many
 from gdskv.io import batch as batchio
-from gdskv.transfer.batches import NATIVE_CALLERS, bookkeep
+from gdskv.transfer.batches import NATIVE_CALLERS, bookkeep, writer_threads
 from gdskv.transfer.loads import Reads
 from gdskv.transfer.pages import DoneFn, LoadStatus
 
@@ -44,7 +44,8 @@ class LaterPath:
 
     def _later(self, group: int, jobs: list[tuple], on_done: Optional[DoneFn], save: bool) -> list[Future]:
         """Saves, or an asynchronous load's pages, started on native threads (niced by
-        ``background_nice``) and returned from at once: the pages' futures resolve, and
+        ``background_nice``; for saves, as many as their bytes call for: ``writer_threads``) and
+        returned from at once: the pages' futures resolve, and
         ``on_done`` runs, in the ``reap`` that collects them, on the serving loop's thread
         between steps, so no Python thread competes with it for the interpreter while the pages
         move (a saved page is sealed natively too). Pages the batch path cannot take, saves the
@@ -66,6 +67,7 @@ class LaterPath:
             fd, threads = self.ns.store.fs.fd, max(1, self.depth // NATIVE_CALLERS)
             try:
                 if save:
+                    threads = writer_threads(len(work) * self.ns.chunk_nbytes(group), threads)
                     self.engine.write_chunks_later(self._completions, fd, work, threads, self.ns.store.fs.dir_mode,
                                                    self._background_nice, later)
                 else:
