@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional, Sequence
 
@@ -31,7 +32,8 @@ class Removal:
     ``skipped_leased``: chunks a lookup leased after the scan (kept, with their ancestors);
     ``skipped_fresh``: chunks used or published again after the ranking (kept likewise).
     ``freed_rows``: the ranked table's rows of the removed and gone chunks, which
-    ``Budget.evict`` leaves out of its next ranking (``ChunkTable.without``)."""
+    ``Budget.evict`` leaves out of its next ranking (``ChunkTable.without``); 8 bytes a row,
+    since ``gdskv evict`` may remove millions."""
 
     removed: int = 0
     removed_bytes: int = 0
@@ -41,7 +43,7 @@ class Removal:
     failed: int = 0
     skipped_leased: int = 0
     skipped_fresh: int = 0
-    freed_rows: list[int] = field(default_factory=list, repr=False)
+    freed_rows: array = field(default_factory=lambda: array("q"), repr=False)
 
     def __add__(self, other: "Removal") -> "Removal":
         """Both removals' counts summed (``Budget.evict``'s rounds); ``freed_rows`` name rows of
