@@ -21,7 +21,7 @@ serve them, and the page cache would hide the disk). The checks, one row each:
 - ``native device copies``: 64 pages of two regions with distinct bytes, in shuffled slots of a
   CUDA pool, saved and loaded on the POSIX engine (what ``auto`` takes without GDS: pages staged
   through pinned spans) with each span's copies queued in one native ``cudaMemcpyAsync`` call
-  (``gdskv.hosttier._queue_all``), then with one torch copy per region; both compared with the
+  (``gdskv.copies._queue_all``), then with one torch copy per region; both compared with the
   source, GB/s of both (page cache warm); the native call must have run, and only where it is on;
 - ``save ready event`` / ``save race control``: a producer kernel on a side stream
   (``torch.cuda._sleep`` then a fill of the page); saved with the event recorded after it, the
@@ -386,11 +386,11 @@ class Checks:
             transfer.close()
 
     def native_copies(self) -> Result:
-        """A staged step's device copies in one native call per span (``hosttier._queue_all``)
+        """A staged step's device copies in one native call per span (``copies._queue_all``)
         against a torch copy per region, on the same pages: what is loaded back is what was saved,
         page by page (distinct bytes, shuffled slots: a page copied to or from the wrong place
         shows), and the native call ran only where it is on."""
-        import gdskv.hosttier as hosttier
+        import gdskv.copies as copies
         from gdskv.config import GdsKvConfig
         from gdskv.io import batch as batchio
         from gdskv.io import make_engine
@@ -410,7 +410,7 @@ class Checks:
             nbytes = group.bytes_per_page * len(slots)
             rows = []
             for native in (True, False):
-                hosttier.NATIVE_DEVICE_COPIES = native
+                copies.NATIVE_DEVICE_COPIES = native
                 calls.clear()
                 keys = [os.urandom(32) for _ in slots]
                 original = [r.clone() for r in regions]
@@ -437,7 +437,7 @@ class Checks:
                           f"slots, GB/s (page cache warm) {'; '.join(rows)}; equal")
         finally:
             batchio.copy_device = real
-            hosttier.NATIVE_DEVICE_COPIES = True
+            copies.NATIVE_DEVICE_COPIES = True
             transfer.close()
             engine.close()
 

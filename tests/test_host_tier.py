@@ -16,8 +16,8 @@ from cache_helpers import drop_cached
 from gdskv.config import ConfigError, GdsKvConfig
 from gdskv.hostmem import SlabPool
 from gdskv.io import batch as batchio
-from gdskv.hosttier import (DEFAULT_HOST_BYTES, SAVE_EVICT_SHARE, HostTier, gather, keeps_page_cache_reads, payload_nbytes,
-                             physical_memory, scatter, scatter_many, tier_bytes)
+from gdskv.copies import gather, payload_nbytes, scatter, scatter_many
+from gdskv.hosttier import DEFAULT_HOST_BYTES, SAVE_EVICT_SHARE, HostTier, keeps_page_cache_reads, physical_memory, tier_bytes
 from gdskv.service import KvService, ServiceSetupError
 from gdskv.store import GroupSpec, NamespaceSpec
 from gdskv.transfer import LoadStatus, SaveStatus
@@ -697,7 +697,7 @@ def test_device_copies_pair_each_segment_with_its_place_in_the_flat_buffer_both_
     device (run on a GPU by ``scripts/gpu_check.py``): a page's segments end to end in its flat
     buffer, destination first, grouped by device; sizes that do not add up or a strided segment
     are refused before anything is copied."""
-    from gdskv.hosttier import device_copies
+    from gdskv.copies import device_copies
 
     buf_a, buf_b = torch.zeros(300, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
     a = [torch.zeros(100, dtype=torch.uint8), torch.zeros(50, dtype=torch.float32)]

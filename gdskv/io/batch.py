@@ -217,7 +217,7 @@ def copy_device(copies: Sequence[tuple[int, int, int]], memcpy_async: int, strea
     caller keeps alive until the stream has run them) queued in order on the CUDA stream
     ``stream`` by the runtime's ``cudaMemcpyAsync`` (its address: ``memcpy_async``), in one call
     without the GIL: 0, or the first error code (the copies after it not queued). Called by
-    ``gdskv.hosttier._queue_all`` with the current device set to the stream's."""
+    ``gdskv.copies._queue_all`` with the current device set to the stream's."""
     return _batchio.copy_device(list(copies), memcpy_async, stream)
 
 

@@ -2,7 +2,7 @@
 GPUDirect Storage behind it.
 
 Called by ``gdskv.io.make_engine`` when the config says ``engine = "auto"``, by ``gdskv demo`` /
-``gdskv info`` to report the platform, by ``gdskv.hosttier`` for the CUDA runtime's copy entry
+``gdskv info`` to report the platform, by ``gdskv.copies`` for the CUDA runtime's copy entry
 point, and by the test suite to decide whether the CUDA driver test double may be loaded. The
 probes are cached for the life of the process and never raise.
 """

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from gdskv.hosttier import Borrowed, Put, Reserved, payload_nbytes
+from gdskv.copies import payload_nbytes
+from gdskv.hosttier import Borrowed, Put, Reserved
 
 log = logging.getLogger(__name__)
 

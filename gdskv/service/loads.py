@@ -11,8 +11,8 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Callable, Optional, Sequence
 
-from gdskv.hosttier import (Borrowed, Reserved, keeps_page_cache_reads, payload_nbytes, scatter, scatter_all, scatter_copies,
-                             scatter_many)
+from gdskv.copies import payload_nbytes, scatter, scatter_all, scatter_copies, scatter_many
+from gdskv.hosttier import Borrowed, Reserved, keeps_page_cache_reads
 from gdskv.transfer import LoadStatus, LoadVia, PageTransfer
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Optional, Sequence
 
-from gdskv.hosttier import Reserved, payload_nbytes
+from gdskv.copies import payload_nbytes
+from gdskv.hosttier import Reserved
 from gdskv.transfer import SaveStatus
 
 

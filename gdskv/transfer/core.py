@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from gdskv.futures import batch_futures, resolve_many
-from gdskv.hosttier import gather_all, scatter_all
+from gdskv.copies import gather_all, scatter_all
 from gdskv.io.base import IoEngine
 from gdskv.io.posix import staging_buffer
 from gdskv.staging import SliceStaging, region_views

@@ -20,7 +20,7 @@ import torch
 from gdskv import checksum
 from gdskv import format as fmt
 from gdskv.confined import NotRegularFileError, OutsideStoreError, dir_path, touch_mtime
-from gdskv.hosttier import gather
+from gdskv.copies import gather
 from gdskv.io import batch as batchio
 from gdskv.io.base import Segment, ShortReadError
 from gdskv.transfer.batches import FOREGROUND_CALLERS, NATIVE_CALLERS

@@ -20,7 +20,7 @@ import torch
 from gdskv import checksum
 from gdskv import format as fmt
 from gdskv.confined import dir_path
-from gdskv.hosttier import gather
+from gdskv.copies import gather
 from gdskv.io import batch as batchio
 from gdskv.io.base import Segment
 from gdskv.transfer.batches import NATIVE_CALLERS
