@@ -377,7 +377,7 @@ def test_failed_load_is_recomputed_not_used() -> None:
 def test_flat_connector_on_a_uniform_sliding_window_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     model_cfg = dataclasses.replace(MODEL, attention_windows=(8,))
     cfg = EngineConfig(tokens_per_block=4)
-    with caplog.at_level("WARNING", logger="gdskv.engine.runtime"):
+    with caplog.at_level("WARNING", logger="gdskv.engine.driver"):
         engine(model_cfg, cfg, memory_connector(model_cfg, cfg, flat=True))
     assert "sliding window 8" in caplog.text
 

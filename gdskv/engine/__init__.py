@@ -9,8 +9,9 @@ bit-identical logits to KV computed from scratch. It backs ``gdskv demo`` and ``
     [result] = engine.generate([prompt], max_new_tokens=8)
 """
 from gdskv.engine.config import EngineConfig, ModelConfig
+from gdskv.engine.driver import ConnectorError
 from gdskv.engine.requests import EngineRequest, GenerationResult, RequestData, SchedulerOutput
-from gdskv.engine.runtime import ConnectorError, ReferenceEngine
+from gdskv.engine.runtime import ReferenceEngine
 
 __all__ = [
     "ConnectorError",
