@@ -40,8 +40,8 @@ the 2-vCPU VM (means of 5-6 runs, alternated) gave 1.061 / 1.054x the steps with
 writers a call and 1.057 / 1.025x at this share, for about 46 pages of 256 KiB a step posted as
 fast as they go / 13 at 64 MiB/s. One writer moves a large save at half the pace of eight (posted
 at once, durable: 256 MiB of 1 MiB pages 0.87 against 1.85 GB/s, 512 MiB of 4 MiB pages 1.92
-against 2.27), hence the share. A post that its writers have not finished by the next step's post overlaps it,
-so the writers at work grow with the rate the serving loop saves at."""
+against 2.27), hence the share. A post its writers have not finished by the next step's post
+overlaps it, so the writers at work grow with the rate the serving loop saves at."""
 
 
 def writer_threads(nbytes: int, most: int) -> int:
