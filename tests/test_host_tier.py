@@ -16,7 +16,6 @@ from cache_helpers import drop_cached
 from gdskv.config import ConfigError, GdsKvConfig
 from gdskv.hostmem import SlabPool
 from gdskv.io import batch as batchio
-from gdskv.copies import gather, payload_nbytes, scatter, scatter_many
 from gdskv.hosttier import DEFAULT_HOST_BYTES, SAVE_EVICT_SHARE, HostTier, keeps_page_cache_reads, physical_memory, tier_bytes
 from gdskv.service import KvService, ServiceSetupError
 from gdskv.store import GroupSpec, NamespaceSpec
@@ -135,33 +134,6 @@ def test_a_steps_borrows_and_releases_at_once_behave_as_one_at_a_time():
     tier.release_many([lent[0]])  # idempotent, as release()
     assert [e.readers for e in entries] == [0, 0]
     assert all(tier.put(k, b(100, 5)).taken for k in "defgh")  # buffers given back: the slabs serve them all
-
-
-def test_copy_helpers_check_sizes_and_round_trip():
-    segs = page(7)
-    buf = torch.empty(PAGE, dtype=torch.uint8)
-    gather(segs, buf)
-    out = empty()
-    scatter(buf, out)
-    assert same(out, segs)
-    with pytest.raises(ValueError):
-        scatter(buf[:-1], out)
-    with pytest.raises(ValueError):
-        gather(segs, torch.empty(PAGE + 1, dtype=torch.uint8))
-    strided = torch.zeros(2 * PAGE, dtype=torch.uint8)[::2]
-    assert payload_nbytes(segs) == PAGE and payload_nbytes([strided]) is None
-
-
-def test_scatter_many_copies_every_entry_into_its_pages_or_refuses_before_copying():
-    bufs = [torch.full((PAGE,), i, dtype=torch.uint8) for i in range(6)]
-    pages = [empty() for _ in range(6)]
-    scatter_many(list(zip(bufs, pages)), threads=3)
-    assert all(torch.equal(torch.cat(pages[i]), bufs[i]) for i in range(6))
-    short = [torch.zeros(PAGE // 2, dtype=torch.uint8), torch.zeros(PAGE // 2 - 1, dtype=torch.uint8)]
-    fresh = empty()
-    with pytest.raises(ValueError):
-        scatter_many([(bufs[1], fresh), (bufs[2], short)], threads=2)
-    assert all(int(t.sum()) == 0 for t in fresh)  # refused before any copy
 
 
 @pytest.mark.skipif(not batchio.available(), reason="the native batch path is not built here")
@@ -690,28 +662,6 @@ def test_an_unreaped_asynchronous_hit_resolves_for_a_caller_blocked_on_it(tmp_pa
     assert [f.result(timeout=30) for f in futures] == [LoadStatus.LOADED] * 2  # nobody reaps
     assert all(same(outs[i], page(i)) for i in range(2)) and svc.in_flight == 0
     svc.close()
-
-
-def test_device_copies_pair_each_segment_with_its_place_in_the_flat_buffer_both_ways():
-    """``device_copies``: what ``_queue_all`` hands to one native ``cudaMemcpyAsync`` call per
-    device (run on a GPU by ``scripts/gpu_check.py``): a page's segments end to end in its flat
-    buffer, destination first, grouped by device; sizes that do not add up or a strided segment
-    are refused before anything is copied."""
-    from gdskv.copies import device_copies
-
-    buf_a, buf_b = torch.zeros(300, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
-    a = [torch.zeros(100, dtype=torch.uint8), torch.zeros(50, dtype=torch.float32)]
-    b = [torch.zeros(32, dtype=torch.bfloat16)]
-    into = device_copies([(buf_a, a), (buf_b, b)], True)
-    assert into == {torch.device("cpu"): [(a[0].data_ptr(), buf_a.data_ptr(), 100),
-                                          (a[1].data_ptr(), buf_a.data_ptr() + 100, 200),
-                                          (b[0].data_ptr(), buf_b.data_ptr(), 64)]}
-    out = device_copies([(buf_a, a)], False)
-    assert out[torch.device("cpu")] == [(buf_a.data_ptr(), a[0].data_ptr(), 100), (buf_a.data_ptr() + 100, a[1].data_ptr(), 200)]
-    with pytest.raises(ValueError, match="299"):
-        device_copies([(buf_a, [a[0], torch.zeros(199, dtype=torch.uint8)])], True)
-    with pytest.raises(ValueError, match="contiguous"):
-        device_copies([(buf_b, [torch.zeros(8, 8, dtype=torch.uint8).t()])], True)
 
 
 def test_copy_device_queues_every_copy_in_order_on_the_stream_and_stops_at_the_first_error():
