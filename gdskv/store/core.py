@@ -28,7 +28,6 @@ class StoreError(RuntimeError):
     """The path is not usable as a gdskv store (the message says why)."""
 
 
-
 class PageStore(Walking):
     """A gdskv store at ``root``. Cheap to open; safe to open from many processes at once.
 

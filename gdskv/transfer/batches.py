@@ -36,9 +36,10 @@ SAVE_BYTES_PER_THREAD = 8 << 20
 up to the depth's share (``depth // NATIVE_CALLERS``): a decode step's few pages go to one or two
 writers, a prefill's or a bulk save's hundreds to all of them. Writers run beside the serving
 thread, and on few cores each one slows its compute: ``scripts/bench_ttft.py --only decode`` on
-the 2-vCPU VM (means of 5-6 runs, alternated) gave 1.061 / 1.054x the steps without saves at 8
-writers a call and 1.057 / 1.025x at this share, for about 46 pages of 256 KiB a step posted as
-fast as they go / 13 at 64 MiB/s. One writer moves a large save at half the pace of eight (posted
+the 2-vCPU VM (means of 5 runs of each, alternated) gave 1.061 / 1.054x the steps without saves
+at 8 writers a call and 1.057 / 1.025x at this share, for about 46 pages of 256 KiB a step posted
+as fast as they go / 13 at 64 MiB/s (6 runs of each of 8 and 2 writers a call: 1.085 / 1.035x
+and 1.052 / 1.024x). One writer moves a large save at half the pace of eight (posted
 at once, durable: 256 MiB of 1 MiB pages 0.87 against 1.85 GB/s, 512 MiB of 4 MiB pages 1.92
 against 2.27), hence the share. A post its writers have not finished by the next step's post
 overlaps it, so the writers at work grow with the rate the serving loop saves at."""
