@@ -396,6 +396,32 @@ def test_chunks_used_since_the_index_saw_them_cost_a_second_ranking_not_the_save
     assert len(reads) == 1, "the second ranking is made on the table already read, less what was removed"
 
 
+def test_room_an_eviction_makes_is_not_taken_by_saves_admitted_meanwhile(rig: _Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves posted from the serving loop (and the remote tier's replies) are admitted without
+    waiting for the eviction lock. Those admitted while another save's eviction runs take only
+    what it frees beyond that save's own room. (They used to take that room too: the save that
+    evicted was then refused, and a prefix read through from the remote tier was cut short.)"""
+    budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=16 * CHUNK))
+    assert budget.counted.wait(10)
+    budget.headroom = 2 / 16  # an eviction frees the save's room and two chunks more
+    for tokens in (list(range(100 * c, 100 * c + 16)) for c in range(2)):
+        assert rig.save_chain(tokens) == [SaveStatus.PUBLISHED] * 8
+    evict, taken = budget.evict, []
+
+    def others_admitted_meanwhile(need: int, protect=()):
+        done = evict(need, protect)
+        other = threading.Thread(target=lambda: taken.append(budget.admit_now(CHUNK, count=4)))
+        other.start()  # as a step's saves or a remote reply would, between the removal and this save
+        other.join()
+        return done
+
+    monkeypatch.setattr(budget, "evict", others_admitted_meanwhile)
+    assert rig.save_chain([500, 501]) == [SaveStatus.PUBLISHED]
+    assert taken == [2], "the others got what was freed beyond the save's room"
+    assert rig.ns.counters["saves_dropped_budget"] == 0 and rig.ns.counters["evicted"] == 3
+    assert rig.stored_bytes() <= 16 * CHUNK and budget.used_bytes == 16 * CHUNK
+
+
 def test_a_save_found_stored_already_gives_its_reservation_back(rig: _Rig) -> None:
     budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root), max_bytes=10 * CHUNK))
     assert budget.counted.wait(10)

@@ -304,8 +304,10 @@ def test_admit_never_raises_into_a_save(tmp_path: Path, monkeypatch: pytest.Monk
     root = tmp_path / "store"
     store = PageStore.open(root)
     ns = store.namespace(_spec())
-    install_budget(store, GdsKvConfig(store_path=str(root), max_bytes=2 * CHUNK))
+    budget = install_budget(store, GdsKvConfig(store_path=str(root), max_bytes=2 * CHUNK))
     _save_chains(store, ns, [list(range(4))])
+    assert budget.counted.wait(10)
+    stored = budget.used_bytes
 
     def broken(*a: Any, **k: Any) -> Any:
         raise ValueError("bad metadata")
@@ -321,6 +323,7 @@ def test_admit_never_raises_into_a_save(tmp_path: Path, monkeypatch: pytest.Monk
         engine.close()
     assert status == SaveStatus.DROPPED
     assert ns.counters["eviction_errors"] == 1
+    assert budget.used_bytes == stored, "the dropped save holds no room"
 
 
 # --- the race: real processes leasing and evicting at once --------------------------------------

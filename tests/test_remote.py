@@ -175,7 +175,7 @@ def test_a_full_store_reads_a_whole_prefix_through_evicting_older_ones(tmp_path,
     b = KvService(cfg, SPEC)
     old = chain_keys(list(range(9000, 9000 + 40 * TPB + 1)), TPB)
     save_all(b, old)  # the store at its budget
-    assert b.lookup(tokens, None).num_new_tokens == 40 * TPB
+    assert b.lookup(tokens, None).num_new_tokens == 40 * TPB, b.remote.counters.snapshot()
     assert b.remote.counters["remote_dropped_budget"] == 0
     assert all(b.namespace.contains_many(g, keys) == [True] * len(keys) for g in (0, 1))
     assert load_ok(b, keys)

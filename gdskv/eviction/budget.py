@@ -68,12 +68,14 @@ class Budget:
     so go ahead, others are dropped. When a save does not fit, the index is read whole, ranked,
     and the victims removed (``remove_chunks``, which re-checks every file); an eviction frees
     what the save needs plus ``headroom`` (a fraction of the budget, or of the floor when only a
-    floor is set), so one eviction serves many saves. A save that does not fit while another
-    thread evicts waits at most ``max_wait_seconds`` for it, then is dropped. The background
-    thread also folds grown journals into the snapshot (``compact``) and walks the store when it
-    has no index or its last walk is older than ``rewalk_seconds`` (``rebuild_catalog``: what a
-    crash kept out of the journals comes back). ``disk_usage``, ``clock`` and ``block_size``
-    (the allocation unit the floor counts in) are injectable for tests.
+    floor is set), so one eviction serves many saves; the evicting save's own room is held from
+    the start, so saves admitted meanwhile take only what is freed beyond it. A save that does
+    not fit while another thread evicts waits at most ``max_wait_seconds`` for it, then is
+    dropped. The background thread also folds grown journals into the snapshot (``compact``)
+    and walks the store when it has no index or its last walk is older than ``rewalk_seconds``
+    (``rebuild_catalog``: what a crash kept out of the journals comes back). ``disk_usage``,
+    ``clock`` and ``block_size`` (the allocation unit the floor counts in) are injectable for
+    tests.
     """
 
     def __init__(self, store: PageStore, limits: Limits, headroom: float = 0.05, refresh_seconds: float = 2.0,
@@ -158,11 +160,22 @@ class Budget:
             parent, saving = lineage()
             if parent is not None and not ns.contains(group, parent):
                 return False  # the chunk would be unservable: not worth evicting anything for
-            need = self._need(nbytes)
-            if need > 0:
-                keep = [*saving, parent] if parent is not None else saving
-                self.evict(need, protect=[ns.chunk_path(group, k) for k in keep])
-            return self._try_reserve(nbytes) > 0
+            with self._state:
+                # ``admit_now`` does not wait for ``_evicting``: this save's room is held first
+                self._reserve(self.clock(), nbytes)
+                need = self._need(0)
+            fits = False
+            try:
+                if need > 0:
+                    keep = [*saving, parent] if parent is not None else saving
+                    self.evict(need, protect=[ns.chunk_path(group, k) for k in keep])
+                with self._state:
+                    fits = self._need(0) == 0
+            finally:
+                if not fits:
+                    with self._state:
+                        self._unreserve(nbytes)
+            return fits
         finally:
             self._evicting.release()
 
@@ -368,10 +381,14 @@ class Budget:
             for taken in range(count):
                 if self._need(nbytes, usage) > 0:
                     return taken
-                self._inflight.append((now, nbytes))
-                self._inflight_bytes += nbytes
-                self._inflight_blocks += self._blocks(nbytes)
+                self._reserve(now, nbytes)
             return count
+
+    def _reserve(self, now: float, nbytes: int) -> None:
+        """Count a save of ``nbytes`` as in flight from ``now`` (caller holds ``_state``)."""
+        self._inflight.append((now, nbytes))
+        self._inflight_bytes += nbytes
+        self._inflight_blocks += self._blocks(nbytes)
 
     def _blocks(self, nbytes: int) -> int:
         return -(-nbytes // self._block)
