@@ -170,7 +170,8 @@ def test_a_full_store_reads_a_whole_prefix_through_evicting_older_ones(tmp_path,
     save_all(a, keys)
     a.close()
     per_block = sum(a.namespace.chunk_nbytes(g) for g in (0, 1))
-    cfg = GdsKvConfig(store_path=str(tmp_path / "b"), remote=remote_table(endpoint.url, prefix, upload="off"),
+    # the deadline is not what this test is about: ample, so that a loaded CI machine cannot cut it short
+    cfg = GdsKvConfig(store_path=str(tmp_path / "b"), remote=remote_table(endpoint.url, prefix, upload="off", timeout="20s"),
                       max_bytes=44 * per_block)
     b = KvService(cfg, SPEC)
     old = chain_keys(list(range(9000, 9000 + 40 * TPB + 1)), TPB)
