@@ -40,7 +40,7 @@ steps with saves ÷ steps without, for about 46 pages of 256 KiB a step posted a
 (11.5 MiB) / 13 at 64 MiB/s, means of 5 runs of each, alternated: 8 writers a call 1.061 / 1.054x;
 one per 8 MiB (two writers flat out) 1.057 / 1.025, 1.051 / 1.025 and 1.077 / 1.026 in three
 batches; one per 64 MiB 1.044 / 1.028 and one per 16 MiB 1.024 / 1.002 against the last two of
-those (one writer flat out, keeping up: 212-238 MB/s saved). One writer moves a large save at
+those (one writer flat out, keeping up: 202-238 MB/s saved). One writer moves a large save at
 half the pace of eight (posted at once, durable: 256 MiB of 1 MiB pages 0.87 against 1.85 GB/s,
 512 MiB of 4 MiB pages 1.92 against 2.27), hence a share rather than one writer. A post its
 writers have not finished by the next step's post overlaps it, so the writers at work grow with
