@@ -191,13 +191,14 @@ def test_a_load_a_step_waits_for_runs_more_native_calls_at_once_than_background_
 
 def test_saves_posted_together_get_a_writer_thread_per_share_of_their_bytes(store_path, io_path, monkeypatch):
     """Saves the serving loop posts (``_later``) run beside it: a few pages go to one native
-    writer, a large post to as many as the depth's share (``writer_threads``), and either way
-    every page is published whole."""
+    writer, more to one per share of their bytes up to the depth's share (``writer_threads``),
+    and either way every page is published whole."""
     if io_path != "native":
         pytest.skip("native writer threads are the batch path's own")
     from gdskv.transfer import batches
 
-    monkeypatch.setattr(batches, "SAVE_BYTES_PER_THREAD", 4 * (PAGE + fmt.TRAILER_BYTES))
+    monkeypatch.setattr(batches, "ONE_WRITER_BYTES", 4 * (PAGE + fmt.TRAILER_BYTES))
+    monkeypatch.setattr(batches, "SAVE_BYTES_PER_THREAD", 2 * (PAGE + fmt.TRAILER_BYTES))
     x = make(store_path, depth=8)
     asked: list[tuple[int, int]] = []
     real = x.engine.write_chunks_later
@@ -212,7 +213,7 @@ def test_saves_posted_together_get_a_writer_thread_per_share_of_their_bytes(stor
     for lo, hi in ((0, 3), (3, 9), (9, 40)):
         futures = x.save_pages(0, [(keys[i], None, [src[i]]) for i in range(lo, hi)])
         assert [f.result() for f in futures] == [SaveStatus.PUBLISHED] * (hi - lo)
-    assert asked == [(3, 1), (6, 2), (31, 8 // NATIVE_CALLERS)]
+    assert asked == [(3, 1), (6, 3), (31, 8 // NATIVE_CALLERS)]
     dst = torch.zeros(40, PAGE, dtype=torch.uint8)
     assert [f.result() for f in x.load_pages(0, [(keys[i], [dst[i]]) for i in range(40)])] == [LoadStatus.LOADED] * 40
     assert torch.equal(dst, src)

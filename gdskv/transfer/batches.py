@@ -31,25 +31,33 @@ pages keep the device busy. Cold 256 KiB loads, same files, alternated in one pr
 2-vCPU VM (depth 16): 2 callers of 8 threads 3.01 / 2.72 GB/s (two runs), 4 of 4 3.35 / 3.07
 (+11-13%, faster in every round), 8 of 2 3.08, 16 of 1 3.02; at 1 MiB 3.23 vs 3.33, at 4 MiB
 equal (the disk's pace)."""
-SAVE_BYTES_PER_THREAD = 16 << 20
-"""Bytes of saves posted together from the serving loop (``_later``) per native writer thread,
-up to the depth's share (``depth // NATIVE_CALLERS``): a decode step's pages go to one writer, a
-prefill's or a bulk save's hundreds to all of them. Writers run beside the serving thread, and on
-few cores each one slows its compute. ``scripts/bench_ttft.py --only decode`` on the 2-vCPU VM,
-steps with saves ÷ steps without, for about 46 pages of 256 KiB a step posted as fast as they go
-(11.5 MiB) / 13 at 64 MiB/s, means of 5 runs of each, alternated: 8 writers a call 1.061 / 1.054x;
-one per 8 MiB (two writers flat out) 1.057 / 1.025, 1.051 / 1.025 and 1.077 / 1.026 in three
-batches; one per 64 MiB 1.044 / 1.028 and one per 16 MiB 1.024 / 1.002 against the last two of
-those (one writer flat out, keeping up: 202-238 MB/s saved). One writer moves a large save at
-half the pace of eight (posted at once, durable: 256 MiB of 1 MiB pages 0.87 against 1.85 GB/s,
-512 MiB of 4 MiB pages 1.92 against 2.27), hence a share rather than one writer. A post its
-writers have not finished by the next step's post overlaps it, so the writers at work grow with
-the rate the serving loop saves at."""
+ONE_WRITER_BYTES = 16 << 20
+"""Saves posted together from the serving loop (``_later``) up to this many bytes go to one
+native writer thread: a decode step's. Writers run beside the serving thread, and on few cores
+each one slows its compute, while one writer keeps up with a decode step's saves.
+``scripts/bench_ttft.py --only decode`` on the 2-vCPU VM, steps with saves ÷ steps without, for
+about 46 pages of 256 KiB a step posted as fast as they go (11.5 MiB) / 13 at 64 MiB/s, means of
+5 runs of each, alternated: 8 writers a call 1.061 / 1.054x; two writers (one per 8 MiB) 1.057 /
+1.025, 1.051 / 1.025 and 1.077 / 1.026 in three batches; one writer 1.044 / 1.028 and 1.024 /
+1.002 against the last two of those, saving 202-238 MB/s flat out as two did. Beyond this size
+one writer per 8 MiB rather than per 16 (4 runs each, alternated): 1.035 / 0.992 against 1.052 /
+1.031 (the bench's first post of a round is 64 pages, just over this size). Single runs spread
+over 1.00-1.10 flat out whatever the rule."""
+SAVE_BYTES_PER_THREAD = 8 << 20
+"""Larger posts (a prefill's, a bulk save's) get one writer per this many bytes begun, up to the
+depth's share (``depth // NATIVE_CALLERS``): one writer moves a large save at half the pace of
+eight or less (posted at once, durable: 256 MiB of 1 MiB pages 0.87 against 1.85 GB/s, 512 MiB
+of 4 MiB pages 1.92 against 2.27; 32 MiB of 256 KiB pages 0.88 / 1.24 / 1.43 / 1.57 GB/s at
+1 / 2 / 4 / 8 writers). A post its writers have not finished by the next step's post overlaps
+it, so the writers at work grow with the rate the serving loop saves at."""
 
 
 def writer_threads(nbytes: int, most: int) -> int:
     """Native writer threads for ``nbytes`` of saves posted together by the serving loop
-    (``LaterPath._later``): one per ``SAVE_BYTES_PER_THREAD`` begun, from 1 to ``most``."""
+    (``LaterPath._later``): one up to ``ONE_WRITER_BYTES``, else one per
+    ``SAVE_BYTES_PER_THREAD`` begun, at most ``most``."""
+    if nbytes <= ONE_WRITER_BYTES:
+        return 1
     return max(1, min(most, -(-nbytes // SAVE_BYTES_PER_THREAD)))
 
 
