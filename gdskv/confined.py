@@ -151,7 +151,13 @@ class ConfinedDir:
     # --- opening -------------------------------------------------------------------------------
     def open(self, path: str | os.PathLike, flags: int, mode: Optional[int] = None) -> int:
         """A descriptor for ``path`` inside the store, resolved without following any link.
-        ``O_CREAT`` creates with ``file_mode`` (or ``mode``)."""
+        ``O_CREAT`` creates with ``file_mode`` (or ``mode``); a file that already exists is opened
+        as it is, its mode untouched (it may be a hard link to a file outside the store)."""
+        if flags & os.O_CREAT and not flags & os.O_EXCL:
+            try:
+                return self.open(path, flags | os.O_EXCL, mode)
+            except FileExistsError:
+                flags &= ~os.O_CREAT
         rel = self.rel(path)
         mode = self.file_mode if mode is None else mode
         flags |= os.O_CLOEXEC | os.O_NOFOLLOW
@@ -400,14 +406,21 @@ def check_regular(fd: int, path: str) -> int:
 def open_data_file(path: str, write: bool, mode: int = 0o600) -> int:
     """Open a chunk file for an I/O engine: never through a link at its last component
     (``O_NOFOLLOW``), non-blocking so a FIFO cannot stall the open, refused unless it is a
-    regular file. ``write`` creates or truncates it with exactly ``mode``. Called by the POSIX
+    regular file. ``write`` creates it, new, with exactly ``mode``: writes go to temp names,
+    and whatever already has the name (a crashed process's temp file, or a hard link planted to
+    a file outside the store) is unlinked first, never written through. Called by the POSIX
     and kvikio engines for every read and write; ``gdskv.transfer`` hands them paths whose
     directory part is already confined (``dir_path``)."""
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    flags |= (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
-    fd = os.open(path, flags, mode)
-    fd = check_regular(fd, path)
-    return _with_mode(fd, mode) if write else fd
+    if not write:
+        return check_regular(os.open(path, flags | os.O_RDONLY), path)
+    flags |= os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(path, flags, mode)
+    except FileExistsError:
+        os.unlink(path)
+        fd = os.open(path, flags, mode)
+    return _with_mode(check_regular(fd, path), mode)
 
 
 def _with_mode(fd: int, mode: int) -> int:

@@ -6,6 +6,7 @@ afterwards, that every entry in it kept its name, size, mode, inode and times (a
 link would move an aged atime; a touch, a rename or a removal shows in the rest)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -417,3 +418,77 @@ def test_native_presence_never_follows_a_linked_chunk_directory(saved, canary):
     assert ns.contains_many(0, [KEYS[0]]) == [False]
     assert ns.lease_many(0, [KEYS[0]], 30) == [False]
     canary.assert_untouched()
+
+
+# --- hard links and oversized files planted in the store ------------------------------------------
+def _plant_links(target: Path, directory: Path, names: list[str]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        os.link(target, directory / name)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "per-page"])
+def test_a_save_never_writes_through_a_hard_link_at_its_temp_name(saved, canary, monkeypatch, native):
+    """Temp names are predictable (pid and a counter): hard links to a file outside the store
+    planted at every name the next saves could take are unlinked, never written through, and the
+    save still publishes."""
+    from gdskv.io import batch as batchio
+
+    if native and not batchio.available():
+        pytest.skip("the native batch path (gdskv.io._batchio) is not built in this environment")
+    if not native:
+        monkeypatch.setattr(batchio, "_working", False)
+    store, ns, xfer = saved
+    name = chunk(ns, 5).name
+    _plant_links(canary.root / "victim", chunk(ns, 5).parent, [f"{name}{fmt.TMP_MARK}{os.getpid()}.{seq:x}" for seq in range(64)])
+    assert xfer.save_page(0, KEYS[5], KEYS[4], [page(5)]).result() is SaveStatus.PUBLISHED
+    target = torch.zeros(PAGE, dtype=torch.uint8)
+    assert xfer.load_page(0, KEYS[5], [target]).result(timeout=20) is LoadStatus.LOADED and torch.equal(target, page(5))
+    canary.assert_untouched()
+
+
+def test_a_chunk_fetched_from_the_remote_never_writes_through_a_hard_link_at_its_temp_name(saved, canary):
+    from gdskv.remote import objects
+
+    store, ns, xfer = saved
+    data = chunk(ns, 0).read_bytes()
+    os.unlink(chunk(ns, 0))
+    first = next(objects._seq) + 1
+    _plant_links(canary.root / "victim", chunk(ns, 0).parent,
+                 [f"{chunk(ns, 0).name}{fmt.TMP_MARK}{os.getpid()}.r{seq:x}" for seq in range(first, first + 64)])
+    assert objects.publish(ns, 0, KEYS[0], data)
+    assert chunk(ns, 0).read_bytes() == data
+    canary.assert_untouched()
+
+
+def test_a_hard_link_at_the_stores_lock_keeps_its_mode(tmp_path, canary):
+    """The store's lock file, opened on every namespace creation, is given the store's file mode
+    only when gdskv creates it: a hard link planted there to a private file outside is not
+    chmodded to a shared store's 0644."""
+    path = tmp_path / "shared-store"
+    PageStore.open(path)
+    lock = path / ".gdskv" / "lock"
+    lock.unlink(missing_ok=True)
+    os.chmod(canary.root / "victim", 0o600)
+    canary.before = canary.snapshot()
+    os.link(canary.root / "victim", lock)
+    PageStore.open(path, file_mode=0o644, dir_mode=0o755).namespace(spec())
+    canary.assert_untouched()
+
+
+def test_an_oversized_sparse_chunk_is_refused_unread_by_verify_and_the_uploader(saved):
+    """A terabyte sparse file where a chunk belongs: ``gdskv verify`` calls it bad-size without
+    reading it (the old check allocated its size and failed the whole run), and the uploader
+    refuses to read it into the serving process."""
+    from gdskv.remote.objects import read_local
+
+    store, ns, xfer = saved
+    with open(chunk(ns, 1), "r+b") as f:
+        f.truncate(1 << 40)
+    res = cli(str(store.root), "verify")
+    assert res.exit_code == 1 and "bad-size 1" in res.output, res.output
+    rel = os.path.relpath(chunk(ns, 1), store.root)
+    with pytest.raises(OSError) as e:
+        read_local(store, rel, PAGE + fmt.TRAILER_BYTES)
+    assert e.value.errno == errno.EFBIG
+    assert read_local(store, os.path.relpath(chunk(ns, 0), store.root), PAGE + fmt.TRAILER_BYTES) == chunk(ns, 0).read_bytes()

@@ -15,6 +15,7 @@ Called by ``gdskv.remote.tier`` (read-through, uploads) and ``gdskv.remote.copy`
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 from typing import Any, Callable, Optional
@@ -93,11 +94,15 @@ def publish(ns: Namespace, group: int, key: bytes, data: Any, coming: Optional[C
     return True
 
 
-def read_local(store: PageStore, rel: str) -> bytes:
-    """The bytes of a local chunk or metadata file (never through a link, never a FIFO)."""
+def read_local(store: PageStore, rel: str, limit: int) -> bytes:
+    """The bytes of a local chunk (never through a link, never a FIFO); ``EFBIG`` for a file of
+    more than ``limit`` bytes, which is not read (a sparse terabyte where a chunk belongs must
+    not take the process's memory). Called by the uploader for each chunk it uploads."""
     fd = store.fs.open_regular(rel)
     try:
         size = os.fstat(fd).st_size
+        if size > limit:
+            raise OSError(errno.EFBIG, f"{size} bytes, more than the {limit} a chunk holds", rel)
         buf = bytearray(size)
         view, got = memoryview(buf), 0
         while got < size:

@@ -131,7 +131,7 @@ class Uploader:
             self._missed = True
             return Outcome.UNREACHABLE
         try:
-            data = read_local(ns.store, rel)
+            data = read_local(ns.store, rel, ns.spec.group(group).bytes_per_page + fmt.TRAILER_BYTES)
             if key is None:
                 key = fmt.unpack(data[-fmt.TRAILER_BYTES:]).block_key
         except (OSError, fmt.ChunkFormatError, ValueError):
@@ -183,7 +183,7 @@ class Uploader:
             if not self._health.reachable:
                 return Outcome.UNREACHABLE
             try:
-                doc = read_local(ns.store, rel)
+                doc = ns.store.fs.read_small(rel)
             except OSError as e:
                 log.warning("gdskv: cannot read %s to upload it: %s", rel, e)
                 return Outcome.MISSING
