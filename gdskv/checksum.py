@@ -70,7 +70,6 @@ MAX_POLY_BYTES = ROW * STEP_ROWS * _MAX_STEPS
 """``poly_hash`` refuses payloads of this many bytes or more (trailers hold pages below 4 GiB)."""
 
 MAC_LABEL = b"gdskv/chunk-mac/v2\0"
-MAC_BYTES = 32
 _MAC_HEAD = struct.Struct("<HHIIQ")  # trailer version, flags, layer group, payload length, payload checksum
 
 REASONS = ("bad-trailer", "foreign-key", "bad-size", "weak-checksum", "unauthenticated", "bad-checksum", "bad-mac")

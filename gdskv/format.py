@@ -313,19 +313,6 @@ def weighted_checksum(data) -> int:
     return fold_weighted(a, b, x.size)
 
 
-def payload_checksum(algo: int, data) -> int:
-    """The payload checksum of host bytes (any buffer) under a trailer's algorithm."""
-    if algo == CHECKSUM_CRC32C:
-        return crc32c(data)
-    if algo == CHECKSUM_POLY:
-        from gdskv.checksum import poly_hash_host
-
-        return poly_hash_host(data)
-    if algo == CHECKSUM_WEIGHTED:
-        return weighted_checksum(data)
-    raise ValueError(f"unknown payload checksum algorithm {algo}")
-
-
 def chunk_index(store_key: bytes) -> tuple[int, int]:
     """``(hi, lo)``: the chunk's coordinates in its array (``arr[hi, :, lo]``)."""
     lead = int.from_bytes(store_key[:8], "big") >> (64 - HI_BITS - LO_BITS)

@@ -91,11 +91,6 @@ class CudaOrdering:
 _ordering: Any = CudaOrdering()
 
 
-def ordering() -> Any:
-    """The ``Ordering`` in use (``CudaOrdering`` unless a test swapped it with ``use``)."""
-    return _ordering
-
-
 @contextlib.contextmanager
 def use(o: Any) -> Iterator[Any]:
     """Use ``o`` (same methods as ``CudaOrdering``) in place of the CUDA ordering. Tests only."""

@@ -1,4 +1,4 @@
-"""Paced asynchronous loads (``gdskv.paced``) and the host tier's slabs (``gdskv.hostmem``).
+"""Paced asynchronous loads (``gdskv.service.paced``) and the host tier's slabs (``gdskv.hostmem``).
 
 The pacing policy on its own (which pages are posted when), then end to end in TensorRT-LLM's
 flow on the reference engine with a real store: a prefix of many slices restored asynchronously
@@ -17,7 +17,7 @@ import torch
 from gdskv.connectors.trtllm.inflight import settle_loads
 from gdskv.hostmem import SlabPool
 from gdskv.keys import chain_keys
-from gdskv.paced import PACE_SLICE, PacedLoad
+from gdskv.service.paced import PACE_SLICE, PacedLoad
 from gdskv.transfer import LoadStatus
 from gdskv.engine import EngineConfig, ReferenceEngine
 from tests.test_async_load import MODEL, TPB, close, prompt, stack

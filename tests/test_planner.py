@@ -618,3 +618,16 @@ def test_window_aware_single_pass_saves_what_a_later_lookup_needs_and_serves_it_
     state.record_alloc(pages)
     plan = plan_step(state, StepReport(7, P39, pages, 0, 3), True, [8, 14, None], stored_in(held))
     assert all(len(ops) == 9 for ops in plan.loads.values())
+
+
+def test_loads_async_takes_big_full_attention_loads_out_of_the_forward_pass():
+    from gdskv.planner import Lookup, loads_async
+
+    keys = tuple(bytes([i]) * 32 for i in range(10))
+    hit = Lookup(keys, first_block=2, end_block=10, num_computed_tokens=32, tokens_per_block=16)  # 8 blocks
+    assert loads_async(hit, bytes_per_block=1 << 20, min_bytes=8 << 20, window_aware=False)
+    assert not loads_async(hit, bytes_per_block=1 << 20, min_bytes=(8 << 20) + 1, window_aware=False)
+    assert not loads_async(hit, bytes_per_block=1 << 20, min_bytes=None, window_aware=False)  # turned off
+    assert not loads_async(hit, bytes_per_block=1 << 20, min_bytes=1, window_aware=True)  # promise per window
+    miss = Lookup(keys, first_block=2, end_block=2, num_computed_tokens=32, tokens_per_block=16)
+    assert not loads_async(miss, bytes_per_block=1 << 20, min_bytes=0, window_aware=False)

@@ -61,6 +61,24 @@ def test_bring_up_creates_a_namespace_per_shard(cfg):
     with_budget.close()
 
 
+def test_other_geometries_names_the_models_namespaces_this_service_cannot_serve_from(cfg):
+    first = KvService(cfg, spec(groups=2))
+    first.close()
+    other_model = KvService(cfg, dataclasses.replace(spec(groups=1), model="another-model"))
+    other_model.close()
+    svc = KvService(cfg, spec(groups=1))  # the same model, one group fewer: another namespace
+    try:
+        assert svc.namespace.id != first.namespace.id
+        assert svc.other_geometries() == [first.namespace.id]
+    finally:
+        svc.close()
+    again = KvService(cfg, spec(groups=2))
+    try:
+        assert again.other_geometries() == [svc.namespace.id]
+    finally:
+        again.close()
+
+
 def test_lookup_serves_the_prefix_every_group_and_shard_holds(cfg):
     r0, r1 = KvService(cfg, spec(0, 2)), KvService(cfg, spec(1, 2))
     keys = r0.keys(TOKENS, "salt")

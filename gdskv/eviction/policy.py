@@ -162,11 +162,6 @@ def _forest(parent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     raise AssertionError("a forest without cycles is resolved within 64 doublings")
 
 
-def _break_cycles(parent: np.ndarray) -> np.ndarray:
-    """``parent`` with every link in a cycle (or leading into one) cut (``_forest``)."""
-    return _forest(np.asarray(parent, dtype=np.int64))[0]
-
-
 def depths(parent: np.ndarray) -> np.ndarray:
     """Number of stored ancestors of each row (0 for a root) of a ``parent`` array, by pointer
     jumping: O(n log depth)."""

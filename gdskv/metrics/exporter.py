@@ -34,14 +34,6 @@ log = logging.getLogger(__name__)
 
 STORE_SCAN_SECONDS = 60.0
 """How old a scanned store size may be when no byte budget keeps a running figure."""
-OPERATIONS = ("lookup", "load", "save")
-
-
-def engine_of(module: Optional[str]) -> str:
-    """The ``engine`` label of a service made by ``module``: ``gdskv.connectors.<engine>...`` ->
-    ``<engine>``; anything else (a script, a test) -> ``other``."""
-    parts = (module or "").split(".")
-    return parts[2] if len(parts) > 2 and parts[:2] == ["gdskv", "connectors"] else "other"
 
 
 @dataclass
@@ -52,7 +44,7 @@ class ServiceMetrics:
     engine: str
 
     def observe(self, op: str, ns: "Namespace", seconds: float) -> None:
-        """One ``op`` (``OPERATIONS``) on ``ns`` took ``seconds``."""
+        """One ``op`` (``lookup``, ``load`` or ``save``) on ``ns`` took ``seconds``."""
         self.process.latency.labels(self.engine, ns.id, str(ns.spec.tp_rank), op).observe(seconds)
 
 

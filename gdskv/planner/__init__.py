@@ -35,13 +35,13 @@ The package: ``wire`` (the metadata workers execute, the engine's step reports),
 can be served), ``requests`` (per-request state and one step's plan), ``shards`` (engines that
 name their blocks themselves).
 """
-from gdskv.planner.lookup import (Lookup, contiguous_hits, first_live_block, lookup_needs, max_servable_blocks, plan_lookup,
-                                  plan_lookup_window_aware, window_blocks, window_keep_from)
+from gdskv.planner.lookup import (Lookup, contiguous_hits, first_live_block, loads_async, lookup_needs, max_servable_blocks,
+                                  plan_lookup, plan_lookup_window_aware, window_blocks, window_keep_from)
 from gdskv.planner.requests import RequestState, new_request, plan_step, take_promised_loads
 from gdskv.planner.shards import HolderFn, held_everywhere, plan_offload, shard_routes, store_shards
 from gdskv.planner.wire import ConnectorMetadata, PageOp, RequestPlan, Salt, StepReport, StoredFn
 
 __all__ = ["ConnectorMetadata", "HolderFn", "Lookup", "PageOp", "RequestPlan", "RequestState", "Salt", "StepReport", "StoredFn",
-           "contiguous_hits", "first_live_block", "held_everywhere", "lookup_needs", "max_servable_blocks", "new_request",
+           "contiguous_hits", "first_live_block", "held_everywhere", "loads_async", "lookup_needs", "max_servable_blocks", "new_request",
            "plan_lookup", "plan_lookup_window_aware", "plan_offload", "plan_step", "shard_routes", "store_shards",
            "take_promised_loads", "window_blocks", "window_keep_from"]

@@ -164,3 +164,14 @@ def window_keep_from(num_tokens: int, window: Optional[int], tokens_per_block: i
     if window is None:
         return 0
     return window_blocks(max_servable_blocks(num_tokens, tokens_per_block), window, tokens_per_block).start
+
+
+def loads_async(lookup: Lookup, bytes_per_block: int, min_bytes: Optional[int], window_aware: bool) -> bool:
+    """Whether a hit's load is big enough to take out of the forward pass: at least ``min_bytes``
+    (``async_load_min_bytes``; None: never) of ``bytes_per_block`` (every group's page of one
+    block, this rank's) each. A window-aware lookup always loads in the forward pass (its
+    promise covers only the blocks each window needs). Called by the TensorRT-LLM scheduler at
+    each lookup."""
+    if min_bytes is None or window_aware or lookup.end_block <= lookup.first_block:
+        return False
+    return (lookup.end_block - lookup.first_block) * bytes_per_block >= min_bytes

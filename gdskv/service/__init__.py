@@ -29,7 +29,8 @@ A store path that is not a gdskv store, and a bad chunk key, fail bring-up (``Se
 
 The package: ``core`` (``KvService``: bring-up, state, close), ``lookups``, ``loads``, ``saves``,
 ``hostkeep`` (the host tier's side of loads and saves), ``counting`` (the counters and their
-flushes) and ``lineage`` (links learnt from an engine's runs of block keys).
+flushes), ``lineage`` (links learnt from an engine's runs of block keys) and ``paced`` (a long
+asynchronous load posted a slice per step).
 """
 from gdskv.service.core import LEASE_SECONDS, KvService, ServiceSetupError
 from gdskv.service.counting import ServiceCounters

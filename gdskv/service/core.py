@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import sys
 import threading
 import time
 import weakref
@@ -22,7 +21,7 @@ from gdskv.garbage import collect_in_background
 from gdskv.hosttier import HostTier, TierConfigError, tier_bytes
 from gdskv.io import IoEngine, make_engine
 from gdskv.keys import chain_keys
-from gdskv.metrics import ServiceMetrics, attach, engine_of
+from gdskv.metrics import ServiceMetrics, attach
 from gdskv.planner import Salt
 from gdskv.remote import RemoteSetupError, RemoteTier
 from gdskv.service.counting import Counting, ServiceCounters
@@ -56,12 +55,14 @@ class KvService(Lookups, Loads, Saves, HostKeeping, Counting):
     ``engine``: the I/O engine (default ``make_engine(cfg)``, then owned and closed by ``close``).
     ``shards``: the TP shards whose pages this process moves (``load``/``save``'s ``shard``);
     default its own, ``spec.tp_rank``. An engine that drives every shard from one process (MAX)
-    names them all.
+    names them all. ``served_by``: the ``engine`` label of this process's metrics, the serving
+    engine whose connector made the service (``trtllm``, ``max``, ``vllm``; ``other`` for
+    scripts and tests).
     """
 
     def __init__(self, cfg: GdsKvConfig, spec: NamespaceSpec, *, transfers: bool = True,
                  lease_seconds: float = LEASE_SECONDS, engine: Optional[IoEngine] = None,
-                 shards: Optional[Sequence[int]] = None) -> None:
+                 shards: Optional[Sequence[int]] = None, served_by: str = "other") -> None:
         if not isinstance(cfg, GdsKvConfig):
             raise TypeError(f"KvService needs a GdsKvConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -95,9 +96,7 @@ class KvService(Lookups, Loads, Saves, HostKeeping, Counting):
         """The host tier (None: ``host_bytes = 0``, or no transfers)."""
         self._host_copies: Optional[ThreadPoolExecutor] = None
         self.metrics: Optional[ServiceMetrics] = None
-        """This process's metrics (``metrics_port`` set), labelled with the engine whose
-        connector made the service (``gdskv.metrics.engine_of`` its module)."""
-        engine_label = engine_of(sys._getframe(1).f_globals.get("__name__"))
+        """This process's metrics (``metrics_port`` set), labelled ``served_by``."""
         try:
             self.store = PageStore.from_config(cfg)
             self.namespaces = [self.store.namespace(spec.with_rank(r)) for r in range(spec.tp_size)]
@@ -126,7 +125,7 @@ class KvService(Lookups, Loads, Saves, HostKeeping, Counting):
             except RemoteSetupError as e:
                 raise ServiceSetupError(str(e)) from None
             self.remote.start_leftovers([self.namespaces[r] for r in self.transfers])
-        self.metrics = attach(self, engine_label)
+        self.metrics = attach(self, served_by)
         atexit.register(_flush_at_exit, weakref.ref(self))  # a process that ends without close() keeps its counts
         log.info("gdskv: service for %r shard %d/%d on namespace %s in %s%s", spec.model, spec.tp_rank, spec.tp_size,
                  self.namespace.id, cfg.store_path,
@@ -143,7 +142,17 @@ class KvService(Lookups, Loads, Saves, HostKeeping, Counting):
         return self.namespaces[self.spec.tp_rank]
 
     def bytes_per_page(self, group: int) -> int:
+        """The bytes of one page of layer group ``group`` (this shard's)."""
         return self.spec.group(group).bytes_per_page
+
+    def other_geometries(self) -> list[str]:
+        """The ids of the store's namespaces for this model and shard with another geometry,
+        which no lookup of this service serves from; a connector logs them at bring-up."""
+        if self.store is None or not self.namespaces:
+            return []
+        own = self.namespace.id
+        return [o.id for o in self.store.namespaces()
+                if o.spec.model == self.spec.model and o.spec.tp_rank == self.spec.tp_rank and o.id != own]
 
     def keys(self, tokens: Sequence[int], cache_salt: Salt = None, start: int = 0,
              parent: Optional[bytes] = None) -> list[bytes]:

@@ -28,7 +28,7 @@ from gdskv.layout import KvCacheLayout
 from gdskv.transfer import page_segments
 
 if TYPE_CHECKING:
-    from gdskv.service import KvService
+    from gdskv.service.core import KvService
 
 log = logging.getLogger(__name__)
 

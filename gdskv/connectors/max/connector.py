@@ -68,7 +68,7 @@ class GdsKvConnector:
         self._pools = Pools(leaves, replica_memory)
         cfg = config if config is not None else load_config()
         spec = self._pools.spec(model, dtype, tokens_per_block, extra)
-        self.service = KvService(cfg, spec, engine=engine, shards=range(self._pools.tp_size),
+        self.service = KvService(cfg, spec, engine=engine, shards=range(self._pools.tp_size), served_by="max",
                                  lease_seconds=lookups.LOOKUP_LEASE_SECONDS)
         """The service under this connector: one namespace and one transfer per TP shard."""
         self.service.register_memory(self._pools.tensors())
@@ -256,13 +256,9 @@ class GdsKvConnector:
 
     def stats(self) -> dict[str, int]:
         """Lifetime counters of this connector (``metrics.Counts``, and the disk operations in
-        flight). Written to ``stats_file``; for tests, tools and ``write_stats``."""
+        flight). Written to ``stats_file`` whenever a transfer settles and at ``shutdown``; for
+        tests and tools."""
         return self._meter.stats()
-
-    def write_stats(self, path: Optional[str] = None) -> None:
-        """Write ``stats()`` as JSON to ``path`` (default: ``stats_file``), atomically. Called
-        whenever a transfer settles and at ``shutdown``; a no-op without a path."""
-        self._meter.write(path)
 
     def reset_prefix_cache(self) -> None:
         """Kept as is: the store is persistent and shared with other processes, so MAX resetting

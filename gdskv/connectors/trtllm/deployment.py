@@ -42,12 +42,6 @@ def first_int(*values: Any) -> Optional[int]:
     return None
 
 
-    for v in values:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    return None
-
-
 @dataclass(frozen=True)
 class Deployment:
     """The settings gdskv takes from ``llm_args``, checked at bring-up.

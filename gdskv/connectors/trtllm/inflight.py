@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional
 
-from gdskv.paced import PacedLoad
+from gdskv.service.paced import PacedLoad
 from gdskv.transfer import LoadStatus
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from gdskv.config import GdsKvConfig, load_config
 from gdskv.connectors.trtllm.base import KvCacheConnectorScheduler
 from gdskv.connectors.trtllm.deployment import Deployment, peers
-from gdskv.planner import (ConnectorMetadata, Lookup, RequestPlan, RequestState, StepReport, new_request, plan_step,
+from gdskv.planner import (ConnectorMetadata, RequestPlan, RequestState, StepReport, loads_async, new_request, plan_step,
                            take_promised_loads)
 from gdskv.request_state import RequestTable
 from gdskv.service import LEASE_SECONDS, KvService, ServiceSetupError
@@ -112,7 +112,8 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
             self._inactive("no connector worker has registered a KV cache layout in this process yet; serving nothing")
             return False
         try:
-            self.service = KvService(self._cfg, spec, transfers=False, lease_seconds=LOOKUP_LEASE_SECONDS)
+            self.service = KvService(self._cfg, spec, transfers=False, lease_seconds=LOOKUP_LEASE_SECONDS,
+                                     served_by="trtllm")
         except ServiceSetupError as e:  # the worker refused this store at registration already
             self._planned.store_errors += 1
             self._inactive(f"{e}; serving nothing")
@@ -140,21 +141,14 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         tokens = list(request.get_tokens(0))
         salt = getattr(request, "cache_salt", None)
         found = self.service.lookup(tokens, salt, num_computed_tokens, window_aware=self._cfg.window_aware)
-        load_async = self._loads_async(found)
+        load_async = loads_async(found, sum(self.service.bytes_per_page(g) for g in self.service.group_ids),
+                                 self._cfg.async_load_min_bytes, self._cfg.window_aware)
         state = new_request(rid, tokens, salt, self.service.tokens_per_block, len(self.service.windows), found)
         self._requests.put(rid, Tracked(state, load_async))
         self._planned.async_loads += load_async
         log.debug("gdskv: request %d: %d of %d prompt tokens from the store%s", rid, found.num_new_tokens, len(tokens),
                   " (asynchronous load)" if load_async else "")
         return found.num_new_tokens, load_async
-
-    def _loads_async(self, found: Lookup) -> bool:
-        """Whether ``found``'s load is big enough to take out of the forward pass."""
-        threshold = self._cfg.async_load_min_bytes
-        if threshold is None or self._cfg.window_aware or found.end_block <= found.first_block:
-            return False
-        blocks = found.end_block - found.first_block
-        return blocks * sum(self.service.bytes_per_page(g) for g in self.service.group_ids) >= threshold
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Flat form (single layer group): pages of the first chunk."""

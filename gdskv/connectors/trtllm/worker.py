@@ -20,7 +20,7 @@ from gdskv.connectors.trtllm.deployment import ConnectorSetupError, Deployment, 
 from gdskv.connectors.trtllm.inflight import WorkerCounters, settle, settle_loads
 from gdskv.connectors.trtllm.layout_check import check_layout, region_tensors
 from gdskv.layout import single_pool_layout
-from gdskv.paced import PacedLoad, post_pages
+from gdskv.service.paced import PacedLoad, post_pages
 from gdskv.planner import ConnectorMetadata
 from gdskv.service import KvService, ServiceSetupError
 from gdskv.store import Namespace, NamespaceSpec
@@ -38,7 +38,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
     computed (a page holds every layer of its group), ``wait_for_save`` makes sure every save is
     posted. No save blocks the step: saves finish in the background and are reported by
     ``get_finished``. Loads the scheduler made asynchronous (``StepMetadata.async_loads``) are
-    posted a slice per step (``gdskv.paced``) from the step after the one that admitted the
+    posted a slice per step (``gdskv.service.paced``) from the step after the one that admitted the
     request (which carries its lookup) and finished by ``service.reap`` at each step's start and
     end, never awaited: ``get_finished`` reports the request loaded once every page landed, and
     ``get_load_failures`` lists it if one did not.
@@ -123,21 +123,20 @@ class GdsKvWorker(KvCacheConnectorWorker):
         self._windows = {g.layer_group_id: g.window_size for g in layout.groups}
         self._device = layout.groups[0].regions[0].slot_tensor(0).device
         try:
-            self.service = service = KvService(self._cfg, spec)
+            self.service = service = KvService(self._cfg, spec, served_by="trtllm")
         except ServiceSetupError as e:
             raise ConnectorSetupError(str(e)) from None
         if service.transfer is None:  # the service logged why; this rank loads and saves nothing
             return
         ns = service.namespace
-        others = [o.id for o in service.store.namespaces() if o.spec.model == spec.model and o.spec.tp_rank == d.tp_rank and o.id != ns.id]
+        others = service.other_geometries()
         if others:
-            log.info(
-                "gdskv: rank %d uses namespace %s; the store's other namespace(s) %s for model %r have another geometry "
-                "and are not served from", d.tp_rank, ns.id, ", ".join(others), spec.model,
-            )
+            log.info("gdskv: rank %d uses namespace %s; the store's other namespace(s) %s for model %r have another "
+                     "geometry and are not served from", d.tp_rank, ns.id, ", ".join(others), spec.model)
         service.register_memory(region_tensors(layout))
         self._peers.publish(d.tp_rank, spec)
-        log.info("gdskv: rank %d/%d registered %d layer group(s) as namespace %s", d.tp_rank, d.tp_size, len(layout.groups), ns.id)
+        log.info("gdskv: rank %d/%d registered %d layer group(s) as namespace %s", d.tp_rank, d.tp_size,
+                 len(layout.groups), ns.id)
 
     # -- one step -----------------------------------------------------------------------------
     def start_load_kv(self, stream: Any) -> None:
@@ -175,7 +174,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
                 self._step_loads[gid].append((rid, fut))
                 self._loads.setdefault(rid, []).append(fut)
         self._pump()
-        for rid, rid_ops in paced.items():  # a slice per step from the next (this one did the lookup): gdskv.paced
+        for rid, rid_ops in paced.items():  # a slice per step from the next (this one did the lookup)
             self._async_loads[rid] = PacedLoad(rid_ops, partial(post_pages, self.service, self._layout, ready=ready),
                                                start_at=2)
 

@@ -54,13 +54,13 @@ class GdsKvConnector(KVConnectorBase_V1):
         self._scheduler: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(KvService(cfg, spec, transfers=False))
+            self._scheduler = SchedulerSide(KvService(cfg, spec, transfers=False, served_by="vllm"))
             if getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute") != "recompute":
                 log.warning('gdskv: kv_load_failure_policy is %r: a block that fails to load from the store fails its request; '
                             'add "kv_load_failure_policy":"recompute" to --kv-transfer-config to recompute it instead',
                             self._kv_transfer_config.kv_load_failure_policy)
         else:
-            self._worker = WorkerSide(KvService(cfg, spec), list(group.layer_names), int(kv_cache_config.num_blocks),
+            self._worker = WorkerSide(KvService(cfg, spec, served_by="vllm"), list(group.layer_names), int(kv_cache_config.num_blocks),
                                       int(group.kv_cache_spec.page_size_bytes))
 
     @property
