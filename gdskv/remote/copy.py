@@ -54,7 +54,9 @@ class CopyReport:
     unreachable: str = ""
     """Why the remote could not be used (unreachable, or it refused to list), when so."""
 
-    def add(self, name: str, n: int = 1) -> None:
+    def add(self, ns: Optional[Namespace], name: str, n: int = 1) -> None:
+        """Count ``n`` of outcome ``name``; the ``Uploader``'s count callback too (which names the
+        namespace, summed over here)."""
         with _lock:
             self.counts[name] += n
 
@@ -154,7 +156,7 @@ def pull(store: PageStore, client: ObjectClient, auth_key: Optional[bytes],
     found = inventory(client, wanted) if blocks_of is None else [n for n in namespaces(client) if wanted is None or wanted(n)]
     for n in found:
         if n.spec is None:
-            report.add("damaged_namespaces")
+            report.add(None, "damaged_namespaces")
             continue
         ns = store.namespace(n.spec)
         groups = {g.layer_group_id for g in n.spec.groups}
@@ -165,17 +167,17 @@ def pull(store: PageStore, client: ObjectClient, auth_key: Optional[bytes],
             wanted_keys = {g: [chunk_key(ns, g, k) for k in keys] for g in sorted(groups)}
         for group, rels in sorted(wanted_keys.items()):
             if group not in groups:
-                report.add("skipped", len(rels))
+                report.add(ns, "skipped", len(rels))
                 continue
             todo = [rel for rel in rels if not _local(ns, rel)]
-            report.add("present", len(rels) - len(todo))
+            report.add(ns, "present", len(rels) - len(todo))
             coming = _among(ns, group, todo)
             for start in range(0, len(todo), GET_BATCH):
                 batch = todo[start:start + GET_BATCH]
                 took = client.get_many(batch, timeout=max(60.0, client.rc.timeout),
                                        then=lambda i, r: _take_pulled(ns, group, batch[i], r, auth_key, coming))
                 for outcome in took:
-                    report.add(outcome.outcome.value if isinstance(outcome, Reply) else outcome)
+                    report.add(ns, outcome.outcome.value if isinstance(outcome, Reply) else outcome)
     return report
 
 
