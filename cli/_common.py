@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional
 import click
 
 from gdskv.config import ConfigError, GdsKvConfig, load_config, parse_size
-from gdskv.store import Namespace, PageStore, StoreError
+from gdskv.store import Namespace, PageStore, StoreError, StoreUnreadable
 
 
 STORE_HINT = "Pass --store PATH or set GDSKV_STORE."
@@ -45,9 +45,12 @@ def open_existing(ctx: click.Context) -> tuple[GdsKvConfig, PageStore]:
     root = Path(cfg.store_path)
     try:
         return cfg, PageStore.from_config(cfg, create=False)
+    except StoreUnreadable as e:
+        raise click.ClickException(str(e)) from None
     except (StoreError, OSError) as e:
         why = str(e) if root.exists() else f"{root} is not a gdskv store (it does not exist)"
-        raise UsageProblem(f"{why}; refusing to touch it. {STORE_HINT}") from None
+        why = why if "refusing" in why else f"{why}; refusing to touch it"
+        raise UsageProblem(f"{why}. {STORE_HINT}") from None
 
 
 def auth_key_of(cfg: GdsKvConfig) -> Optional[bytes]:
@@ -72,6 +75,14 @@ def select_namespaces(store: PageStore, wanted: Optional[str]) -> list[Namespace
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$", re.IGNORECASE)
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A float option's callback: ``value``, refused when it is not a number (``nan``, which no
+    range check catches)."""
+    if value != value:
+        raise click.BadParameter(f"{value} is not a number", param=param)
+    return value
 
 
 def parse_duration(text: str) -> float:
@@ -134,25 +145,36 @@ class OneLineErrors(click.Group):
     """The ``gdskv`` group: an error no command turned into a ``click`` error (an ``OSError`` from
     the store, a bug) is still one line on stderr and exit 1, never a traceback; ``-vv`` logs
     the traceback. A usage mistake (an unknown option, a bad value) is one line and exit 2 too,
-    naming the command where click knows it, instead of click's usage block (``--help`` has it)."""
+    naming the command where click knows it, instead of click's usage block (``--help`` has it).
+    A message that would still span lines (a path with a newline in it) has its control
+    characters escaped."""
 
     def make_context(self, info_name: Optional[str], args: list[str], parent: Optional[click.Context] = None,
                      **extra: Any) -> click.Context:
         try:
             return super().make_context(info_name, args, parent, **extra)
         except click.UsageError as e:
-            raise _one_line_usage(e) from None
+            raise _printable(_one_line_usage(e)) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except click.UsageError as e:
-            raise _one_line_usage(e) from None
-        except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt, EOFError):
+            raise _printable(_one_line_usage(e)) from None
+        except click.ClickException as e:
+            raise _printable(e)
+        except (click.exceptions.Exit, click.Abort, KeyboardInterrupt, EOFError):
             raise
         except Exception as e:
             logging.getLogger("gdskv.cli").debug("gdskv %s failed", ctx.invoked_subcommand, exc_info=True)
-            raise click.ClickException(f"{ctx.invoked_subcommand or 'gdskv'}: {one_line(e)}") from None
+            raise _printable(click.ClickException(f"{ctx.invoked_subcommand or 'gdskv'}: {one_line(e)}")) from None
+
+
+def _printable(e: click.ClickException) -> click.ClickException:
+    """``e`` with the control characters of its message escaped (``\\n``, ``\\x1b``): one line,
+    nothing a terminal would act on."""
+    e.message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in e.message)
+    return e
 
 
 _NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())

@@ -10,10 +10,10 @@ import datetime
 from typing import Any, Callable, Optional
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from gdskv.cli._common import UsageProblem, auth_key_of, config_of, human_bytes, open_existing, print_json
+from gdskv.cli.output import console
 from gdskv.config import GdsKvConfig
 from gdskv.remote import ObjectClient, RemoteSetupError, RemoteUnavailable
 from gdskv.remote.copy import BlocksOf, RemoteNamespace, inventory, prompt_blocks, verify_remote
@@ -42,7 +42,7 @@ def prompt_options(f: Callable) -> Callable:
     f = click.option("--cache-salt", "cache_salt", default=None, help="The cache salt the prompts were served with.")(f)
     f = click.option("--tokenizer", default=None, help="Tokenizer of --prompts (Hugging Face id or path); default: bytes, "
                      "as the reference engine's prewarm.")(f)
-    return click.option("--prompts", "prompts", multiple=True, type=click.Path(),
+    return click.option("--prompts", "prompts", multiple=True, type=click.Path(readable=False),
                         help="Only the blocks of these prompts (.txt / .jsonl / a directory, as prewarm reads them).")(f)
 
 
@@ -90,10 +90,10 @@ def info(ctx: click.Context, as_json: bool) -> None:
         if as_json:
             print_json(rep)
             return
-        console = Console()
-        console.print(f"[bold]remote[/]  {rep['remote']}  (endpoint {rep['endpoint'] or 'AWS S3'}; upload {rep['upload']}; "
-                      f"timeout {rep['timeout_s']} s)")
-        console.print(f"[bold]size[/]    {rep['chunks']} chunks, {human_bytes(rep['bytes'])}")
+        out = console()
+        out.print(f"[bold]remote[/]  {rep['remote']}  (endpoint {rep['endpoint'] or 'AWS S3'}; upload {rep['upload']}; "
+                  f"timeout {rep['timeout_s']} s)")
+        out.print(f"[bold]size[/]    {rep['chunks']} chunks, {human_bytes(rep['bytes'])}")
         t = Table(title="namespaces in the bucket")
         for col in ("namespace", "model", "group", "chunks", "bytes"):
             t.add_column(col, justify="right" if col in ("group", "chunks", "bytes") else "left")
@@ -101,7 +101,7 @@ def info(ctx: click.Context, as_json: bool) -> None:
             for i, (g, v) in enumerate(r["groups"].items() or [("-", {"chunks": 0, "bytes": 0})]):
                 head = [r["id"], r["model"] or f"(damaged: {r['damaged']})"] if i == 0 else ["", ""]
                 t.add_row(*head, str(g), str(v["chunks"]), human_bytes(v["bytes"]))
-        console.print(t)
+        out.print(t)
 
     run(ctx, show)
 
@@ -123,7 +123,7 @@ def ls(ctx: click.Context, namespace: Optional[str], group: Optional[int], limit
         for r in rows:
             when = datetime.datetime.fromtimestamp(r["modified"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             t.add_row(r["namespace"], str(r["group"]), r["key"], human_bytes(r["bytes"]), when)
-        Console().print(t)
+        console().print(t)
 
     run(ctx, show)
 
@@ -146,16 +146,16 @@ def stats(ctx: click.Context, as_json: bool, summed: Callable[[Any], dict[str, A
         if as_json:
             print_json(rep)
             return
-        console = Console()
+        out = console()
         for ns_id, v in rep["namespaces"].items():
             t = Table(title=f"namespace {ns_id} in {cfg.remote.url}: {v['chunks']} chunks, {human_bytes(v['bytes'])}")
             t.add_column("counter (this store's processes)")
             t.add_column("total", justify="right")
             for k, n in sorted(v["counters"].items()):
                 t.add_row(k, human_bytes(n) if k.startswith("bytes_") else str(n))
-            console.print(t)
+            out.print(t)
         if not rep["namespaces"]:
-            console.print(f"no namespaces in {cfg.remote.url} yet")
+            out.print(f"no namespaces in {cfg.remote.url} yet")
 
     run(ctx, show)
 
@@ -170,7 +170,7 @@ def verify(ctx: click.Context, namespace: Optional[str], as_json: bool) -> None:
         if as_json:
             print_json(rep)
             return
-        out = Console()
+        out = console()
         if rep["bad_objects"]:
             t = Table(title="bad objects (a read-through treats each as a miss)")
             for col in ("namespace", "group", "reason", "object"):

@@ -19,11 +19,17 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from gdskv.cli._common import capacity_limits, config_of, human_bytes, print_json
+from gdskv.cli._common import UsageProblem, capacity_limits, config_of, human_bytes, print_json
 from gdskv.config import GdsKvConfig
-from gdskv.demo import ENGINE_TOKENS_PER_BLOCK
+from gdskv.demo import ENGINE_TOKENS_PER_BLOCK, STORE_PROMPTS
 from gdskv.cli.output import console as make_console
 from gdskv.cli.prewarm import check_store
+
+MAX_PAGE_BYTES = 64 << 20
+"""The largest ``--page-bytes``."""
+MAX_DEMO_BYTES = 4 << 30
+"""The most the synthetic pages may take (4 prompts of ``--pages-per-prompt`` pages): the demo
+writes them to the store and holds them in memory."""
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +69,17 @@ def _round_trip_verdict(save: dict[str, Any], load: dict[str, Any], cfg: GdsKvCo
 @click.command()
 @click.option("--pages-per-prompt", "blocks", type=click.IntRange(min=1), default=16, show_default=True,
               help="Synthetic KV pages per prompt.")
-@click.option("--page-bytes", type=click.IntRange(min=1), default=1 << 20, show_default=True, help="Bytes per synthetic KV page.")
+@click.option("--page-bytes", type=click.IntRange(1, MAX_PAGE_BYTES), default=1 << 20, show_default=True,
+              help="Bytes per synthetic KV page (at most 64 MiB).")
 @click.option("--system-tokens", type=click.IntRange(min=ENGINE_TOKENS_PER_BLOCK), default=480, show_default=True,
               help=f"Length of the shared system prompt the engine serves (one {ENGINE_TOKENS_PER_BLOCK}-token block at least).")
 @click.option("--json", "as_json", is_flag=True, help="Print every phase's figures as JSON instead.")
 @click.pass_context
 def demo(ctx: click.Context, blocks: int, page_bytes: int, system_tokens: int, as_json: bool) -> None:
     """Round-trip KV through the store in new processes; serve a prompt prefix from it."""
+    if STORE_PROMPTS * blocks * page_bytes > MAX_DEMO_BYTES:
+        raise UsageProblem(f"--pages-per-prompt {blocks} of --page-bytes {page_bytes}: the demo's {STORE_PROMPTS} prompts would "
+                           f"take {human_bytes(STORE_PROMPTS * blocks * page_bytes)} (at most {human_bytes(MAX_DEMO_BYTES)})")
     cfg = config_of(ctx)
     check_store(cfg)  # one line, exit 2, for a path that is not a store and cannot be one
     store = cfg.store_path

@@ -24,7 +24,7 @@ from gdskv.eviction import read_trailer, scan_store
 @click.option("--namespace", "namespace", default=None, help="Namespace id (or a prefix of it) or model name.")
 @click.option("--group", type=int, default=None, help="Layer group id.")
 @click.option("--older-than", "older_than", default=None, help="Only chunks last used longer ago than this (e.g. 7d, 12h).")
-@click.option("--limit", type=int, default=50, show_default=True, help="Most rows to print (0: all).")
+@click.option("--limit", type=click.IntRange(min=0), default=50, show_default=True, help="Most rows to print (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @click.option("--remote", is_flag=True, help="The objects in the bucket of [gdskv.remote] (--older-than does not apply).")
 @click.pass_context

@@ -10,8 +10,8 @@ import os
 
 import click
 
-from gdskv.cli._common import OneLineErrors
-from gdskv.cli.progress import DEFAULT_EVERY
+from gdskv.cli._common import OneLineErrors, finite
+from gdskv.cli.progress import DEFAULT_EVERY, MAX_EVERY
 
 # Each command's module is imported only when the command runs, so ``gdskv info``, a cron job's
 # ``gdskv gc`` or ``gdskv --help`` never pays for torch and the engines. The summaries are each
@@ -59,7 +59,8 @@ class Commands(OneLineErrors):
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--store", "store_path", envvar="GDSKV_STORE", default=None, help="Store path (default: GDSKV_STORE, the config, or ~/.cache/gdskv/store).")
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
-@click.option("--status-every", "status_every", type=click.FloatRange(min=0.05), default=DEFAULT_EVERY, show_default=True,
+@click.option("--status-every", "status_every", type=click.FloatRange(min=0.05, max=MAX_EVERY), default=DEFAULT_EVERY,
+              show_default=True, callback=finite,
               help="Seconds between progress lines when stderr is not a terminal (long prewarm, verify, evict, bench).")
 @click.pass_context
 def main(ctx: click.Context, store_path: str | None, verbose: int, status_every: float) -> None:

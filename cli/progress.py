@@ -18,6 +18,8 @@ from gdskv.cli.output import console
 
 DEFAULT_EVERY = 10.0
 """Seconds between status lines off a terminal (``gdskv --status-every``)."""
+MAX_EVERY = 86400.0
+"""The longest ``--status-every``: a day (a timer's wait refuses infinity)."""
 
 
 def status_every(ctx: Optional[click.Context]) -> float:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Optional
 
 import click
-from rich.console import Console
 
 from gdskv.cli._common import STORE_HINT, UsageProblem, auth_key_of, config_of, print_json
 from gdskv.cli._remote import namespace_filter, prompt_blocks_of, prompt_options, remote_client
+from gdskv.cli.output import console
 from gdskv.eviction import install_budget
 from gdskv.remote import RemoteUnavailable
 from gdskv.remote.copy import pull as pull_namespaces
@@ -34,13 +34,14 @@ def pull(ctx: click.Context, namespace: Optional[str], prompts: tuple[str, ...],
     """Download remote chunks the local store lacks (verified, published atomically)."""
     cfg = config_of(ctx)
     blocks_of = prompt_blocks_of(prompts, tokenizer, cache_salt)  # a usage error here creates no store
+    _, client = remote_client(ctx)  # nor does a config without [gdskv.remote]
     try:
-        store = PageStore.from_config(cfg)  # like prewarm, pull may make the store
-    except (StoreError, OSError) as e:
-        raise UsageProblem(f"{e}; refusing to touch it. {STORE_HINT}") from None
-    install_budget(store, cfg)  # pulled chunks are admitted, and room made, as a server's saves are
-    _, client = remote_client(ctx)
-    try:
+        try:
+            store = PageStore.from_config(cfg)  # like prewarm, pull may make the store
+        except (StoreError, OSError) as e:
+            why = str(e) if "refusing" in str(e) else f"{e}; refusing to touch it"
+            raise UsageProblem(f"{why}. {STORE_HINT}") from None
+        install_budget(store, cfg)  # pulled chunks are admitted, and room made, as a server's saves are
         rep = pull_namespaces(store, client, auth_key_of(cfg), namespace_filter(namespace), blocks_of)
     except RemoteUnavailable as e:
         raise click.ClickException(f"pull: remote {cfg.remote.url}: {e}") from None
@@ -52,7 +53,7 @@ def pull(ctx: click.Context, namespace: Optional[str], prompts: tuple[str, ...],
     if as_json:
         print_json({"remote": cfg.remote.url, "store": str(store.root), "counts": counts})
     else:
-        Console().print(f"pulled {counts.get('pulled', 0)} chunk(s) from {cfg.remote.url} into {store.root}; "
+        console().print(f"pulled {counts.get('pulled', 0)} chunk(s) from {cfg.remote.url} into {store.root}; "
                         f"{counts.get('present', 0)} already here"
                         + "".join(f", {v} {k}" for k, v in counts.items() if k not in ("pulled", "present")), highlight=False)
     if failed:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Optional
 
 import click
-from rich.console import Console
 
 from gdskv.cli._common import auth_key_of, open_existing, print_json, select_namespaces
 from gdskv.cli._remote import prompt_blocks_of, prompt_options, remote_client
+from gdskv.cli.output import console
 from gdskv.remote.copy import BlocksOf
 from gdskv.remote.copy import push as push_namespaces
 
@@ -56,6 +56,6 @@ def push(ctx: click.Context, namespace: Optional[str], prompts: tuple[str, ...],
     if as_json:
         print_json(out)
     else:
-        Console().print(line, highlight=False)
+        console().print(line, highlight=False)
     if not ok:
         ctx.exit(1)

@@ -37,12 +37,13 @@ def summed(store: PageStore, history: Optional[list[tuple[float, dict[str, Count
         try:
             data = json.loads(store.fs.read_small(f"{rel}/{e.name}"))
             part = {ns_id: Counter({str(k): int(v) for k, v in counters.items()}) for ns_id, counters in data["namespaces"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+            updated = float(data.get("updated") or 0.0)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, OverflowError):
             unreadable.append(e.name)
             continue
         processes += 1
         if history is not None:
-            history.append((float(data.get("updated") or 0.0), part))
+            history.append((updated, part))
         for ns_id, counters in part.items():
             per_ns.setdefault(ns_id, Counter()).update(counters)
     return {"processes": processes, "unreadable": unreadable, "namespaces": {k: dict(sorted(v.items())) for k, v in sorted(per_ns.items())}}
@@ -104,9 +105,9 @@ def stats(ctx: click.Context, as_json: bool, prometheus: bool, plot_path: Option
     if as_json:
         print_json(rep)
         return
-    console = make_console()
     for name in rep["unreadable"]:
-        console.print(f"[yellow]skipped unreadable stats file {name}[/]")
+        make_console(stderr=True).print(f"[yellow]skipped unreadable stats file {name}[/]")
+    console = make_console()
     if not rep["namespaces"]:
         console.print(f"no counters yet ({rep['processes']} process files)")
         return

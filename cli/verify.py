@@ -44,6 +44,8 @@ def check_chunk(ns: Namespace, group: int, path: str, auth_key: Optional[bytes] 
         return "not-a-file"
     except OutsideStoreError:
         return "link"
+    except OSError:
+        return "unreadable"
     try:
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -130,7 +132,8 @@ def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: 
     else:
         out = console()
         if bad:
-            t = Table(title="bad chunks" + (" (quarantined)" if repair else " (run with --repair to quarantine)"))
+            done = f" ({rep['repair_failed']} could not be quarantined)" if rep["repair_failed"] else " (quarantined)"
+            t = Table(title="bad chunks" + (done if repair else " (run with --repair to quarantine)"))
             for col in ("namespace", "group", "reason", "path"):
                 t.add_column(col)
             for b in bad:

@@ -56,6 +56,10 @@ class PhaseReport:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+STORE_PROMPTS = 4
+"""Synthetic prompts of the store phases (``gdskv demo`` sizes its pages by them)."""
+
+
 def demo_prompts(n_prompts: int, blocks: int, vocab: int = 32000, tokens_per_block: int = TOKENS_PER_BLOCK) -> list[list[int]]:
     """Prompts sharing a long system prefix (half the blocks), then diverging."""
     g = torch.Generator().manual_seed(1234)
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gdskv.demo")
     ap.add_argument("phase", choices=["save", "load", "engine"])
     ap.add_argument("--store", required=True)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=STORE_PROMPTS)
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--page-bytes", type=int, default=1 << 20)
     ap.add_argument("--salt", default="gdskv-demo")

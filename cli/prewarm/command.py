@@ -3,6 +3,7 @@ built, every prompt run, the summary printed (and pushed with ``--remote``)."""
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
 import sys
@@ -111,6 +112,13 @@ def parse_engine_args(engine: str, items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+MAX_PROMPT_TOKENS = 1 << 20
+"""The longest ``--max-prompt-tokens``: the reference engine sizes its KV pool for it (256 MiB)."""
+ENGINE_MODULES = {"trtllm": "tensorrt_llm", "vllm": "vllm", "max": "max"}
+"""The module each external engine's runner imports."""
+ENGINE_NAMES = {"trtllm": "TensorRT-LLM", "vllm": "vLLM", "max": "Modular MAX"}
+
+
 def check_store(cfg: GdsKvConfig) -> None:
     """Open (creating it where missing) the store prewarm writes to, before any engine is built: a
     path that is not a gdskv store and cannot become one is a usage problem, reported in one line."""
@@ -144,6 +152,8 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
     elif not model:
         raise UsageProblem(f"--engine {engine} needs --model")
     tok = (HfTokenizer.load(tokenizer) if tokenizer else ByteTokenizer()) if engine == "reference" else None
+    if engine != "reference" and importlib.util.find_spec(ENGINE_MODULES[engine]) is None:  # before the store is made
+        raise UsageProblem(f"--engine {engine} needs {ENGINE_NAMES[engine]} ({ENGINE_MODULES[engine]} does not import in this Python)")
     check_store(cfg)
     from gdskv.connectors.max.offline import EngineStopped
     from gdskv.connectors.trtllm import ConnectorSetupError
@@ -186,12 +196,13 @@ def _engine_output_to_stderr() -> Iterator[None]:
 
 
 @click.command()
-@click.argument("prompts", nargs=-1, required=True, type=click.Path())
+@click.argument("prompts", nargs=-1, required=True, type=click.Path(readable=False))
 @click.option("--engine", type=click.Choice(["reference", "trtllm", "vllm", "max"]), default="reference", show_default=True)
 @click.option("--model", default=None, help="Model for trtllm / vllm / max (a Hugging Face id or a local path).")
 @click.option("--tokenizer", default=None, help="Tokenizer (Hugging Face id or path); default: the model's, or bytes for the reference engine.")
 @click.option("--cache-salt", "cache_salt", default=None, help="Cache salt mixed into every block key (reference engine).")
-@click.option("--max-prompt-tokens", "max_tokens", type=click.IntRange(1), default=4096, show_default=True, help="Longer prompts are skipped.")
+@click.option("--max-prompt-tokens", "max_tokens", type=click.IntRange(1, MAX_PROMPT_TOKENS), default=4096, show_default=True,
+              help="Longer prompts are skipped (the reference engine's KV pool holds this many tokens).")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
               help="Passed to the engine's constructor (vLLM's / TensorRT-LLM's LLM, MAX's PipelineArgs); give it the "
                    "servers' settings (block_size=32, dtype=bfloat16, ...) so its KV pages are the ones they look up. "

@@ -61,13 +61,19 @@ class ReferenceRunner:
                                f"run prompts that would write nothing. {STORE_HINT}")
 
     def run(self, prompt: Prompt) -> Outcome:
+        """Prefill one prompt; a ``RuntimeError`` when any of its saves failed (not a budget's
+        refusal: a read-only or broken store), so the prompt is listed as failed."""
         ids = tokenize(self.tok, prompt, self.max_tokens)
         w = self.stack.worker
         ns = w.namespace
         published, existing = w.counters.saves_published, w.counters.saves_existing
         self._current = (prompt.source, len(ids), published + existing)
         nbytes = ns.counters["bytes_written"] if ns is not None else 0
+        failed = _failed_saves(ns)
         [res] = self.stack.engine.generate([ids], max_new_tokens=1, cache_salts=[self.salt])
+        failed = _failed_saves(ns) - failed
+        if failed:
+            raise RuntimeError(f"{failed} of its blocks could not be saved (see the warning above)")
         return Outcome(
             blocks_written=w.counters.saves_published - published,
             bytes_written=(ns.counters["bytes_written"] if ns is not None else 0) - nbytes,
@@ -84,3 +90,8 @@ class ReferenceRunner:
 
     def close(self) -> None:
         self.stack.close()
+
+
+def _failed_saves(ns: Any) -> int:
+    """The saves ``ns`` dropped for a reason other than the byte budget (its counters)."""
+    return ns.counters["saves_dropped"] - ns.counters["saves_dropped_budget"] if ns is not None else 0

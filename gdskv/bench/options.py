@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import NoReturn, Optional, Sequence
@@ -35,6 +36,13 @@ class BenchOptions:
     baselines: bool = True
     service: bool = True
     """Also measure ``ServiceSubject`` (the default config through ``KvService``, host tier on)."""
+
+
+ENGINE_LABEL = re.compile(r"^(posix|kvikio)(\+(o_direct|direct_writes))?$")
+"""A ``--engines`` label (``bench_engine`` builds its engine)."""
+MEMORY_PER_TOTAL = 3
+"""Bytes of memory a run holds per byte of ``--total``: the pages saved, the pages loaded into,
+and the service subject's host tier."""
 
 
 def _size(text: str) -> int:
@@ -96,6 +104,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool
         parser.error(f"--peers: unknown peer {unknown[0]!r} (vllm, lmcache)")
     if not os.path.isdir(args.dir):
         parser.error(f"--dir: not a directory: {args.dir}")
+    engines = tuple(e for e in args.engines.split(",") if e)
+    wrong = [e for e in engines if not ENGINE_LABEL.match(e)] or ([] if engines else [args.engines])
+    if wrong:
+        parser.error(f"--engines: {wrong[0]!r} is not an engine label (posix or kvikio, each optionally +o_direct or "
+                     "+direct_writes; comma-separated)")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if MEMORY_PER_TOTAL * args.total > memory:
+        parser.error(f"--total: {args.total >> 20} MiB of pages needs about {MEMORY_PER_TOTAL * args.total >> 30} GiB of "
+                     f"memory (the pages saved, the pages loaded, the host tier's copy); this machine has {memory >> 30} GiB")
     # the engines' settings, checked as the config checks them, before any subject is measured
     # (the transfer threads are a transfer's depth: the config's io_threads)
     for flag, setting in (("--io-threads", {"io_threads": args.io_threads}),
@@ -110,7 +127,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[BenchOptions, bool
         directory=args.dir, total_bytes=args.total,
         page_sizes=tuple(args.page_size or (256 << 10, 1 << 20, 4 << 20)), pools=tuple(args.pool or ("torch",)),
         peers=tuple(p for p in args.peers.split(",") if p),
-        rounds=args.rounds, engines=tuple(e for e in args.engines.split(",") if e),
+        rounds=args.rounds, engines=engines,
         io_threads=args.io_threads, transfer_threads=args.transfer_threads,
         kvikio_threads=args.kvikio_threads, kvikio_task_size=args.kvikio_task_size,
         baselines=not args.no_baselines, service=not args.no_service,

@@ -23,7 +23,7 @@ walk of the tree), ``tree`` (its names and Zarr metadata), ``counters`` and ``ca
 budget a store accepts).
 """
 from gdskv.store.capacity import CapacityBudget
-from gdskv.store.core import PageStore, StoreError
+from gdskv.store.core import PageStore, StoreError, StoreUnreadable
 from gdskv.store.counters import Counters
 from gdskv.store.namespace import STORE_KEY_CACHE, Namespace
 from gdskv.store.spec import MAX_PAGE_BYTES, GroupSpec, NamespaceSpec
@@ -32,4 +32,4 @@ from gdskv.store.walk import ArrayDir, ChunkEntry
 
 __all__ = ["GROUP_DIR", "MAX_PAGE_BYTES", "NAMESPACE_ATTR", "NAMESPACE_ID", "PRIVATE_DIR", "STORE_ATTR", "STORE_KEY_CACHE",
            "ArrayDir", "CapacityBudget", "ChunkEntry", "Counters", "GroupSpec", "Namespace", "NamespaceSpec", "PageStore",
-           "StoreError", "is_store"]
+           "StoreError", "StoreUnreadable", "is_store"]

@@ -11,7 +11,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NoReturn, Optional
 
 from gdskv import format as fmt
 from gdskv.confined import ConfinedDir
@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 
 class StoreError(RuntimeError):
     """The path is not usable as a gdskv store (the message says why)."""
+
+
+class StoreUnreadable(StoreError):
+    """The path may hold a gdskv store, but its root or its ``zarr.json`` could not be read
+    (permissions, a damaged or hostile ``zarr.json``): the CLI's exit 1, where a path that is
+    not a store is a usage mistake (exit 2)."""
 
 
 class PageStore(Walking):
@@ -56,9 +62,9 @@ class PageStore(Walking):
         meta = root / "zarr.json"
         if root.exists() and not root.is_dir():
             raise StoreError(f"{root} is not a directory")
-        if os.path.lexists(meta):
+        if _exists(meta):
             if not is_store(root):
-                raise StoreError(f"{root} is a Zarr hierarchy but not a gdskv store (no '{STORE_ATTR}' attribute)")
+                _why_not_a_store(root)
         elif not create:
             raise StoreError(f"{root} is not a gdskv store (no {meta.name} with a '{STORE_ATTR}' attribute)")
         elif root.exists() and any(root.iterdir()):
@@ -78,6 +84,8 @@ class PageStore(Walking):
 
     @classmethod
     def _checked(cls, store: "PageStore") -> "PageStore":
+        """``store``, refused (``StoreError``) where its own directories are links or files, or
+        its format is not this gdskv's."""
         root = store.root
         for name in (PRIVATE_DIR, "ns"):
             if (root / name).is_symlink() or os.path.lexists(root / name) and not (root / name).is_dir():
@@ -174,3 +182,32 @@ class PageStore(Walking):
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists (a link counts); ``StoreUnreadable`` when that cannot be told (no
+    permission to search the store's root)."""
+    try:
+        os.lstat(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise StoreUnreadable(f"{path.parent} could not be read: {e.strerror}") from None
+
+
+def _why_not_a_store(root: Path) -> NoReturn:
+    """Raise why the ``zarr.json`` at ``root`` does not make a gdskv store: it cannot be read, or
+    does not parse (``StoreUnreadable``), or parses without gdskv's attribute (``StoreError``)."""
+    try:
+        fs = ConfinedDir(root)
+    except OSError as e:
+        raise StoreUnreadable(f"{root} could not be read: {e.strerror or e}") from None
+    try:
+        json.loads(fs.read_small("zarr.json"))
+    except OSError as e:
+        raise StoreUnreadable(f"{root / 'zarr.json'} could not be read: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StoreUnreadable(f"{root / 'zarr.json'} does not parse ({e}); a damaged store?") from None
+    finally:
+        fs.close()
+    raise StoreError(f"{root} is a Zarr hierarchy but not a gdskv store (no '{STORE_ATTR}' attribute)")
