@@ -6,8 +6,9 @@ Pure functions (no file I/O). Who calls what:
   the page's segments wherever they live (host or device memory).
 - ``check`` — ``PageTransfer._verify``: after a load has read a chunk into a page's segments,
   whether it is exactly this key's page (None) or why not (a quarantine reason).
-- ``check_host`` / ``seal_host`` — the same over host bytes: ``gdskv verify`` (one buffer holding
-  the whole payload), benchmarks and tests.
+- ``check_host`` — the same over host bytes: ``gdskv verify`` and the remote tier (one buffer
+  holding the whole payload); ``seal_host`` writes a trailer for such a buffer (tests and tools
+  that make chunks by hand).
 - ``poly_hash`` / ``poly_hash_host`` — the device payload checksum (``CHECKSUM_POLY``), with
   torch on the tensors' own device, and its numpy form; they always give the same value.
 
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 
 from gdskv import format as fmt
+from gdskv.format import Buffer
 
 P = (1 << 31) - 1
 """The Mersenne prime modulus of ``CHECKSUM_POLY``."""
@@ -208,7 +210,7 @@ def poly_hash(segments: Sequence[torch.Tensor]) -> int:
     return _fold([v % P for v in total])
 
 
-def poly_hash_host(data) -> int:
+def poly_hash_host(data: Buffer) -> int:
     """``CHECKSUM_POLY`` of host bytes (any C-contiguous buffer), with numpy: the form ``gdskv
     verify`` uses; equal to ``poly_hash`` of the same bytes."""
     x = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
@@ -326,7 +328,7 @@ def seal(segments: Sequence[torch.Tensor], *, group: int, store_key: bytes, bloc
                  lambda: _host_views(flats))
 
 
-def seal_host(payload, *, group: int, store_key: bytes, block_key: bytes, parent_key: Optional[bytes] = None,
+def seal_host(payload: Buffer, *, group: int, store_key: bytes, block_key: bytes, parent_key: Optional[bytes] = None,
               algo: int = fmt.CHECKSUM_CRC32C, auth_key: Optional[bytes] = None) -> bytes:
     """``seal`` for a payload held as one host buffer (benchmarks, tests, tools)."""
     view = memoryview(payload).cast("B")
@@ -359,7 +361,7 @@ def _check(raw, actual_nbytes: int, group: int, store_key: bytes, block_key: byt
     return None
 
 
-def check(trailer, segments: Sequence[torch.Tensor], *, group: int, store_key: bytes, block_key: bytes,
+def check(trailer: Buffer, segments: Sequence[torch.Tensor], *, group: int, store_key: bytes, block_key: bytes,
           nbytes: int, auth_key: Optional[bytes] = None) -> Optional[str]:
     """None when ``trailer`` and the payload read into ``segments`` are exactly the page of
     ``block_key`` in layer group ``group`` (whose store key is ``store_key``, as the reader
@@ -381,7 +383,7 @@ def check(trailer, segments: Sequence[torch.Tensor], *, group: int, store_key: b
                   lambda algo: payload_checksum(flats, algo), lambda: _host_views(flats))
 
 
-def check_host(trailer, payload, *, group: int, store_key: bytes, block_key: bytes, nbytes: int,
+def check_host(trailer: Buffer, payload: Buffer, *, group: int, store_key: bytes, block_key: bytes, nbytes: int,
                auth_key: Optional[bytes] = None) -> Optional[str]:
     """``check`` for a payload held as one host buffer (``gdskv verify``: a memoryview of the
     chunk file's payload)."""
@@ -390,7 +392,7 @@ def check_host(trailer, payload, *, group: int, store_key: bytes, block_key: byt
                   lambda algo: _host_checksum(view, algo), lambda: [view])
 
 
-def check_crc(trailer, segments: Sequence[torch.Tensor], crc: int, *, group: int, store_key: bytes,
+def check_crc(trailer: Buffer, segments: Sequence[torch.Tensor], crc: int, *, group: int, store_key: bytes,
               block_key: bytes, nbytes: int, auth_key: Optional[bytes] = None) -> Optional[str]:
     """``check`` given the payload's CRC32C, computed while it was read (``gdskv.io.batch``);
     a chunk sealed with another algorithm is checked by computing that one. The segments' byte

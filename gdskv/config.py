@@ -257,6 +257,9 @@ class GdsKvConfig:
         self.validate()
 
     def validate(self) -> None:
+        """Check and normalise every setting (sizes parsed, ``false`` as None), or raise
+        ``ConfigError`` naming the first bad one. Called on construction, so a config object
+        that exists is a valid one."""
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"gdskv config: {key} {why}")
 

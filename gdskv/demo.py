@@ -73,6 +73,9 @@ def page_for(key: bytes, page_bytes: int) -> torch.Tensor:
 
 
 def run_store_phase(phase: str, store_path: str, n_prompts: int, blocks: int, page_bytes: int) -> PhaseReport:
+    """The demo's ``save`` phase (synthetic pages of ``n_prompts`` prompts written, each chunk
+    rewritten) or ``load`` phase (read back and every byte checked), in a process of its own
+    (``gdskv demo`` runs ``python -m gdskv.demo``)."""
     cfg = load_config(store_path=store_path)
     store = PageStore.from_config(cfg)
     install_budget(store, cfg)

@@ -43,9 +43,13 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
 import google_crc32c
+
+Buffer = Any
+"""Host bytes: any object with the buffer protocol (bytes, bytearray, memoryview, a numpy array);
+``collections.abc.Buffer`` from Python 3.12."""
 
 MAGIC = b"GDSKVPG1"
 FORMAT_VERSION = 1
@@ -159,7 +163,7 @@ def crc32c_at(address: int, nbytes: int, value: int = 0) -> int:
     return google_crc32c.extend(value, ctypes.string_at(address, nbytes))
 
 
-def crc32c(data, value: int = 0) -> int:
+def crc32c(data: Buffer, value: int = 0) -> int:
     """CRC32C of a buffer-protocol object, continuing from ``value``."""
     view = memoryview(data).cast("B")
     if _FAST is not None:
@@ -239,7 +243,7 @@ def pack_unsealed_into(buf: bytearray, offset: int, layer_group: int, payload_nb
                            parent_key or b"")
 
 
-def unpack(raw) -> Trailer:
+def unpack(raw: Buffer) -> Trailer:
     """Parse and self-check a trailer (version 1 or 2); raises ``ChunkFormatError`` saying what is
     wrong, and no other exception, whatever the 128 bytes are."""
     try:
@@ -296,7 +300,7 @@ def fold_weighted(byte_sum: int, weighted_sum: int, nbytes: int) -> int:
     return (byte_sum * 0x9E3779B1 + weighted_sum * 0x85EBCA77 + nbytes) & 0xFFFFFFFF
 
 
-def weighted_checksum(data) -> int:
+def weighted_checksum(data: Buffer) -> int:
     """``CHECKSUM_WEIGHTED`` of host bytes: ``a = Σ x_i``, ``b = Σ (i mod 65521 + 1)·x_i`` over the
     payload's bytes, folded to 32 bits. Legacy: readers treat chunks carrying it as unverifiable
     (``gdskv.checksum.check`` says "weak-checksum"), so nothing needs to compute it any more."""

@@ -34,6 +34,7 @@ def writer_pid(name: str) -> Optional[int]:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (``temp_file_is_stale``)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -53,6 +54,8 @@ def temp_file_is_stale(name: str, age_s: float, min_age_s: float, grace_s: float
 
 @dataclass
 class Garbage:
+    """What ``find_garbage`` found to remove."""
+
     temp_files: list[tuple[str, int]] = field(default_factory=list)  # (path, bytes)
     empty_dirs: list[str] = field(default_factory=list)
 
@@ -100,6 +103,8 @@ def find_garbage(store: PageStore, min_age_s: float, grace_s: float, now: Option
 
 @dataclass
 class Collected:
+    """What ``collect`` removed, freed and failed to remove."""
+
     removed_temp_files: int = 0
     removed_dirs: int = 0
     freed_bytes: int = 0

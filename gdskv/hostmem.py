@@ -105,6 +105,9 @@ class SlabPool:
         return out
 
     def take(self, nbytes: int) -> Optional[tuple[torch.Tensor, _Slab]]:
+        """A buffer of ``nbytes`` and its slab: an unused one of that size, else from a new
+        slab (idle slabs freed first to stay within ``limit``); None when the limit leaves no
+        room. Waits while another thread allocates a slab. Called by ``take_many``."""
         with self._cond:
             while True:
                 got = self._take_unused(nbytes)

@@ -66,16 +66,16 @@ def test_an_error_naming_a_path_with_control_characters_stays_one_line(tmp_path)
 
 @pytest.mark.parametrize("damage, says", [
     ("garbage", "does not parse"),
-    ("directory", "could not be read"),
+    ("directory", "could not be read: not a regular file"),
 ])
-def test_a_damaged_root_zarr_json_is_a_store_that_could_not_be_read(store, damage, says):
+def test_a_damaged_root_zarr_json_is_named_as_what_it_is(store, damage, says):
     meta = store / "zarr.json"
     meta.unlink()
     if damage == "garbage":
         meta.write_text('{"broken')
     else:
         meta.mkdir()
-    assert says in one_line_error(run("--store", str(store), "info"), 1)
+    assert says in one_line_error(run("--store", str(store), "info"), 2)
 
 
 def test_a_store_without_permission_to_read_it_is_exit_1(store):

@@ -51,6 +51,8 @@ def reference_stack(cfg: GdsKvConfig, vocab_size: int, max_prompt_tokens: int, m
 
 
 class ReferenceRunner:
+    """``prewarm --engine reference``: the reference engine with the connector, in this process."""
+
     def __init__(self, cfg: GdsKvConfig, tok: Tokenizer, max_tokens: int, salt: Optional[str]) -> None:
         self.tok, self.max_tokens, self.salt = tok, max_tokens, salt
         self._current: Optional[tuple[str, int, int]] = None

@@ -23,7 +23,11 @@ class Outcome:
 
 
 class Runner(Protocol):
-    def run(self, prompt: Prompt) -> Outcome: ...
+    """An engine prewarm drives, one prompt at a time."""
+
+    def run(self, prompt: Prompt) -> Outcome:
+        """Prefill ``prompt``; what it added to the store. Raises to fail the prompt alone."""
+        ...
 
     def progress(self) -> str:
         """What the prompt running now has done so far (called from the progress thread)."""

@@ -56,6 +56,8 @@ class Outcome(enum.Enum):
 
 @dataclass
 class Reply:
+    """One request's answer: its outcome, and the bytes of a ``get``."""
+
     outcome: Outcome
     data: Any = None
     """The object's bytes (a buffer: ``memoryview(data)``) when ``OK``."""
@@ -64,6 +66,8 @@ class Reply:
 
 @dataclass(frozen=True)
 class ObjectInfo:
+    """One object a listing found."""
+
     key: str
     """Relative to the configured prefix (``ns/<id>/g0/c/<hi>/0/<lo>``)."""
     size: int
@@ -155,6 +159,7 @@ class ObjectClient:
 
     # -- requests --------------------------------------------------------------------------------
     async def get_async(self, key: str) -> Reply:
+        """GET ``key`` on the client's loop; every failure an outcome (``_classify``)."""
         import obstore
 
         try:
@@ -166,6 +171,8 @@ class ObjectClient:
             return _classify(e)
 
     async def put_async(self, key: str, data: bytes, create_only: bool = True) -> Reply:
+        """PUT ``key`` on the client's loop (create-only: an existing object is ``EXISTS``);
+        every failure an outcome."""
         import obstore
 
         try:

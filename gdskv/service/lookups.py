@@ -1,7 +1,7 @@
 """Lookups: how much of a request's prefix every layer group and TP shard holds, leased.
 
 ``KvService.lookup`` (engines whose blocks gdskv keys: TensorRT-LLM, vLLM, the reference
-engine) and ``lookup_keys`` / ``held`` / ``touch`` (engines that name blocks themselves: MAX),
+engine) and ``held`` / ``touch`` (engines that name blocks themselves: MAX),
 called by the connectors' schedulers. A lookup's served chunks are leased against eviction in
 every process until the load that follows.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
-from gdskv.planner import Lookup, Salt, contiguous_hits, lookup_needs, plan_lookup, plan_lookup_window_aware
+from gdskv.planner import Lookup, Salt, lookup_needs, plan_lookup, plan_lookup_window_aware
 
 
 class Lookups:
@@ -88,22 +88,6 @@ class Lookups:
             if self.metrics is not None:
                 self.metrics.observe("lookup", self.namespace, time.perf_counter() - t0)
         return found
-
-    def lookup_keys(self, keys: Sequence[bytes], first_block: int = 0) -> int:
-        """For an engine that names blocks itself (MAX's canonical hashes): the ordinal one past
-        the run of ``keys[first_block:]`` every group and shard holds, leased; planned again,
-        once, when a lease fails."""
-        stored = self._lookup_stored()
-        for attempt in (0, 1):
-            end = len(keys)
-            for i in range(len(self.group_ids)):  # each group is asked only about the run the others hold
-                end = contiguous_hits([stored(i, keys[first_block:end])], first_block)
-                if end <= first_block:
-                    return first_block
-            if self.lease(keys[first_block:end]):
-                return end
-            self._count(lease_replans=1)
-        return first_block
 
     def lease_per_group(self, keys_by_group: Sequence[Sequence[bytes]]) -> bool:
         """Like ``lease``, with keys per group (index into ``group_ids``); False when one was gone."""

@@ -29,9 +29,9 @@ class StoreError(RuntimeError):
 
 
 class StoreUnreadable(StoreError):
-    """The path may hold a gdskv store, but its root or its ``zarr.json`` could not be read
-    (permissions, a damaged or hostile ``zarr.json``): the CLI's exit 1, where a path that is
-    not a store is a usage mistake (exit 2)."""
+    """The path may hold a gdskv store, but this process may not read its root or its
+    ``zarr.json``: the CLI's exit 1, where a path that is not a store (a damaged ``zarr.json``
+    included) is a usage mistake (exit 2)."""
 
 
 class PageStore(Walking):
@@ -189,25 +189,28 @@ def _exists(path: Path) -> bool:
     try:
         os.lstat(path)
         return True
-    except FileNotFoundError:
-        return False
-    except OSError as e:
+    except PermissionError as e:
         raise StoreUnreadable(f"{path.parent} could not be read: {e.strerror}") from None
+    except OSError:
+        return False
 
 
 def _why_not_a_store(root: Path) -> NoReturn:
-    """Raise why the ``zarr.json`` at ``root`` does not make a gdskv store: it cannot be read, or
-    does not parse (``StoreUnreadable``), or parses without gdskv's attribute (``StoreError``)."""
+    """Raise why the ``zarr.json`` at ``root`` does not make a gdskv store: this process may not
+    read it (``StoreUnreadable``); it is not a regular file, does not parse, or parses without
+    gdskv's attribute (``StoreError``)."""
     try:
         fs = ConfinedDir(root)
-    except OSError as e:
-        raise StoreUnreadable(f"{root} could not be read: {e.strerror or e}") from None
+    except PermissionError as e:
+        raise StoreUnreadable(f"{root} could not be read: {e.strerror}") from None
     try:
         json.loads(fs.read_small("zarr.json"))
+    except PermissionError as e:
+        raise StoreUnreadable(f"{root / 'zarr.json'} could not be read: {e.strerror}") from None
     except OSError as e:
-        raise StoreUnreadable(f"{root / 'zarr.json'} could not be read: {e.strerror or e}") from None
+        raise StoreError(f"{root / 'zarr.json'} could not be read: {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise StoreUnreadable(f"{root / 'zarr.json'} does not parse ({e}); a damaged store?") from None
+        raise StoreError(f"{root / 'zarr.json'} does not parse ({e}); a damaged store?") from None
     finally:
         fs.close()
     raise StoreError(f"{root} is a Zarr hierarchy but not a gdskv store (no '{STORE_ATTR}' attribute)")

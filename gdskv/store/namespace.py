@@ -202,6 +202,8 @@ class Namespace:
         return sum(self.lease_many(group, keys, lease_seconds))
 
     def remove(self, group: int, key: bytes) -> bool:
+        """Unlink ``key``'s chunk of layer group ``group``; False when it was not there. Only
+        for a namespace its caller owns (the demo): eviction removes chunks its own way."""
         try:
             self.store.fs.unlink(self.chunk_path(group, key))
             return True

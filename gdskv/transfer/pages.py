@@ -17,12 +17,18 @@ DoneFn = Callable[[list[int], Optional[list[Any]], list[int]], None]
 
 
 class SaveStatus(enum.Enum):
+    """How a save ended: the chunk published, already stored, or dropped (budget, disk full,
+    an error: the page is simply not cached)."""
+
     PUBLISHED = "published"
     EXISTS = "exists"
     DROPPED = "dropped"
 
 
 class LoadStatus(enum.Enum):
+    """How a load ended: the page holds the stored KV, or it does not (no chunk, or one that
+    failed verification and was quarantined) and must be computed."""
+
     LOADED = "loaded"
     MISSING = "missing"
     CORRUPT = "corrupt"

@@ -61,6 +61,9 @@ class Deployment:
 
     @classmethod
     def from_llm_args(cls, llm_args: Any, cfg: GdsKvConfig) -> "Deployment":
+        """The deployment of ``llm_args``, or ``ConnectorSetupError`` naming the setting gdskv
+        cannot serve (beam search, block reuse off, pipeline parallelism). Called by the
+        scheduler and the worker at construction."""
         beams = first_int(_attr(llm_args, "max_beam_width"))
         if beams is not None and beams > 1:
             raise ConnectorSetupError(
