@@ -16,6 +16,7 @@ import os
 import re
 import stat
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -27,6 +28,10 @@ ENGINES = ("auto", "posix", "kvikio")
 O_DIRECT_MODES = ("off", "writes", "all")
 UPLOAD_MODES = ("behind", "through", "off")
 MIN_AUTH_KEY_BYTES = 16
+MAX_KEY_FILE_BYTES = 1 << 16
+"""The largest ``auth_key_file`` read (a key is tens of bytes; a bigger file is a mistake)."""
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest config file read."""
 DEFAULT_FILE_MODE = 0o600
 DEFAULT_ASYNC_LOAD_MIN_BYTES = 16 << 20
 """See ``GdsKvConfig.async_load_min_bytes`` and docs/trtllm.md (where the line is, and why)."""
@@ -94,8 +99,13 @@ _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$", re.IGNORECASE)
 _DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0}
 
 
+MAX_SECONDS = 7 * 86400.0
+"""The longest duration a setting takes (a week): longer ones are mistakes, and overflow the
+timers that wait them."""
+
+
 def parse_seconds(value: str | int | float) -> float:
-    """``"2s"`` / ``"500ms"`` / ``"1m"`` / a number of seconds → seconds (positive, finite)."""
+    """``"2s"`` / ``"500ms"`` / ``"1m"`` / a number of seconds → seconds (from 1 ms to a week)."""
     if isinstance(value, bool):
         raise ValueError(f"not a duration: {value!r} (expected e.g. 2s, 500ms)")
     if isinstance(value, (int, float)):
@@ -105,9 +115,21 @@ def parse_seconds(value: str | int | float) -> float:
         if not m:
             raise ValueError(f"not a duration: {value!r} (expected e.g. 2s, 500ms)")
         seconds = float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "s").lower()]
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"must be a positive duration, got {value!r}")
+    if not math.isfinite(seconds) or not 1e-3 <= seconds <= MAX_SECONDS:
+        raise ValueError(f"must be a duration from 1ms to a week, got {value!r}")
     return seconds
+
+
+def _endpoint_ok(endpoint: Any) -> bool:
+    """Whether ``endpoint`` is an http(s) URL the S3 client can use: a host, a valid port."""
+    if not isinstance(endpoint, str) or not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", endpoint):
+        return False
+    parts = urllib.parse.urlsplit(endpoint)
+    try:
+        port = parts.port
+    except ValueError:
+        return False
+    return bool(parts.hostname) and (port is None or port >= 1)
 
 
 _CREDENTIAL_WORDS = ("key", "secret", "token", "password", "credential")
@@ -144,6 +166,7 @@ class RemoteConfig:
     def from_toml(cls, table: Any) -> "RemoteConfig":
         """The ``[gdskv.remote]`` table; ``ConfigError`` naming ``remote.<key>`` otherwise."""
         if isinstance(table, RemoteConfig):
+            table.__post_init__()  # a table changed since it was made is checked again
             return table
         if not isinstance(table, dict):
             raise ConfigError(f"gdskv config: remote must be a table ([gdskv.remote]), got {type(table).__name__} {table!r}")
@@ -160,11 +183,12 @@ class RemoteConfig:
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"gdskv config: remote.{key} {why}")
 
-        if not isinstance(self.url, str) or not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^\s]*)?", self.url):
+        if (not isinstance(self.url, str) or not re.fullmatch(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/[^\s]*)?", self.url)
+                or ".." in self.bucket or re.fullmatch(r"[0-9.]+", self.bucket)):
             raise bad("url", f"must be s3://bucket or s3://bucket/prefix (a valid bucket name), got {self.url!r}")
-        if self.endpoint is not None and (not isinstance(self.endpoint, str)
-                                          or not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", self.endpoint)):
-            raise bad("endpoint", f"must be an http:// or https:// URL, got {self.endpoint!r}")
+        if self.endpoint is not None and not _endpoint_ok(self.endpoint):
+            raise bad("endpoint", f"must be an http:// or https:// URL with a host (and a port in [1, 65535]), "
+                                  f"got {self.endpoint!r}")
         if self.region is not None and (not isinstance(self.region, str) or not re.fullmatch(r"[a-z0-9\-]+", self.region)):
             raise bad("region", f"must be a region name like us-east-1, got {self.region!r}")
         if self.upload not in UPLOAD_MODES:
@@ -263,8 +287,8 @@ class GdsKvConfig:
         def bad(key: str, why: str) -> ConfigError:
             return ConfigError(f"gdskv config: {key} {why}")
 
-        if not isinstance(self.store_path, str) or not self.store_path:
-            raise bad("store_path", "must be a non-empty path")
+        if not isinstance(self.store_path, str) or not self.store_path or "\0" in self.store_path:
+            raise bad("store_path", f"must be a non-empty path without NUL characters, got {self.store_path!r}")
         if self.engine not in ENGINES:
             raise bad("engine", f"must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         for key in ("io_threads", "kvikio_threads"):
@@ -365,8 +389,10 @@ class GdsKvConfig:
             st = os.stat(real)
             if not stat.S_ISREG(st.st_mode):
                 raise bad("is not a regular file")
+            if st.st_size > MAX_KEY_FILE_BYTES:
+                raise bad(f"is {st.st_size} bytes; a key file holds at most {MAX_KEY_FILE_BYTES} (e.g. 64 hex digits)")
             with open(real, "rb") as f:
-                return _decode_key(f.read(1 << 16))
+                return _decode_key(f.read(MAX_KEY_FILE_BYTES))
         except OSError as e:
             raise bad(f"cannot be read ({e.strerror or e})") from None
 
@@ -381,6 +407,11 @@ def load_config(path: Optional[str] = None, **overrides: Any) -> GdsKvConfig:
     if path:
         p = Path(path)
         try:
+            st = os.stat(p)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_CONFIG_BYTES:
+                why = "is not a regular file" if not stat.S_ISREG(st.st_mode) else f"is {st.st_size} bytes"
+                raise ConfigError(f"gdskv config: {path} (from {ENV_CONFIG}) {why}; a config is a TOML file "
+                                  f"of at most {MAX_CONFIG_BYTES} bytes")
             text = p.read_bytes().decode("utf-8")
             data = tomllib.loads(text)
         except FileNotFoundError:

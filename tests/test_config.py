@@ -84,7 +84,7 @@ def test_a_toml_that_is_not_utf8_is_a_config_error(tmp_path):
 
 
 def test_a_config_path_that_is_a_directory_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="cannot be read"):
+    with pytest.raises(ConfigError, match="is not a regular file"):
         load_config(str(tmp_path))
 
 
@@ -218,3 +218,72 @@ def test_at_most_one_auth_key_source(tmp_path):
         load_config(str(f))
     with pytest.raises(ConfigError, match="auth_key_env"):
         _cfg(tmp_path, "auth_key_env = 5\n")
+
+
+# --- settings a review found accepted, then failing later (or never) -------------------------------
+@pytest.mark.parametrize("endpoint", ["http://localhost:99999", "http://127.0.0.1:abc", "http://:9000", "http://h:0"])
+def test_a_remote_endpoint_without_a_usable_host_and_port_is_refused(endpoint):
+    from gdskv.config import RemoteConfig
+
+    with pytest.raises(ConfigError, match="remote.endpoint"):
+        RemoteConfig(url="s3://bucket", endpoint=endpoint)
+    assert RemoteConfig(url="s3://bucket", endpoint="http://127.0.0.1:9000").endpoint == "http://127.0.0.1:9000"
+
+
+@pytest.mark.parametrize("key, value", [("timeout", 1e300), ("drain", "99999999999999999999m"), ("retry_after", 10**30),
+                                        ("negative_ttl", "0.0001ms")])
+def test_remote_durations_run_from_a_millisecond_to_a_week(key, value):
+    from gdskv.config import RemoteConfig
+
+    with pytest.raises(ConfigError, match=f"remote.{key}"):
+        RemoteConfig(url="s3://bucket", **{key: value})
+    assert RemoteConfig(url="s3://bucket", **{key: "10080m"}) is not None  # a week
+
+
+@pytest.mark.parametrize("url", ["s3://a..b", "s3://192.168.1.1/p"])
+def test_a_bucket_name_s3_refuses_is_refused(url):
+    from gdskv.config import RemoteConfig
+
+    with pytest.raises(ConfigError, match="remote.url"):
+        RemoteConfig(url=url)
+
+
+def test_a_store_path_with_a_nul_is_refused():
+    with pytest.raises(ConfigError, match="store_path"):
+        load_config(store_path="/tmp/a\0b")
+
+
+def test_an_oversized_key_file_is_refused_not_truncated(tmp_path):
+    key = tmp_path / "key"
+    key.write_bytes(b"A" * 70000)
+    cfg = load_config(store_path=str(tmp_path / "store"), auth_key_file=str(key))
+    with pytest.raises(ConfigError, match="auth_key_file .* 70000 bytes"):
+        cfg.auth_key()
+
+
+def test_a_config_path_that_is_a_device_or_a_fifo_is_refused_without_reading_it(tmp_path):
+    import os
+
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_config("/dev/zero")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_config(str(fifo))  # opening it would wait for a writer forever
+
+
+def test_the_service_checks_a_config_object_changed_since_it_was_made(tmp_path):
+    from gdskv.service import KvService, ServiceSetupError
+    from gdskv.store import GroupSpec, NamespaceSpec
+
+    spec = NamespaceSpec("m", "uint8", 4, (GroupSpec(0, 256, (0,)),), tp_rank=1, tp_size=2)
+    cfg = load_config(store_path=str(tmp_path / "store"))
+    cfg.io_threads = 0
+    with pytest.raises(ConfigError, match="io_threads"):
+        KvService(cfg, spec)
+    cfg = load_config(store_path=str(tmp_path / "store"), metrics_port=65535)
+    with pytest.raises(ServiceSetupError, match="metrics_port"):
+        KvService(cfg, spec)
+    cfg = load_config(store_path=str(tmp_path / "store"), metrics_port=0, metrics_host="no.such.host.invalid")
+    with pytest.raises(ConfigError, match="metrics_host"):
+        KvService(cfg, spec.with_rank(0))

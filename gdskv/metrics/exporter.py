@@ -15,6 +15,7 @@ observe (``ServiceMetrics.observe``).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import weakref
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import Metric
 
+from gdskv.config import ConfigError
 from gdskv.metrics.families import LATENCY_BUCKETS, PREFIX, Labels, counter_families, store_gauges
 
 if TYPE_CHECKING:
@@ -129,8 +131,8 @@ _refused: Optional[str] = None  # why this process serves no metrics (logged onc
 
 def attach(service: "KvService", engine: str) -> Optional[ServiceMetrics]:
     """Register ``service`` with this process's metrics, starting the HTTP server on the first
-    call; None when ``metrics_port`` is unset or the server could not start. Called by
-    ``KvService`` at bring-up."""
+    call; None when ``metrics_port`` is unset or the server could not start (the port is taken);
+    ``ConfigError`` when ``metrics_host`` names no address. Called by ``KvService`` at bring-up."""
     global _process, _refused
     cfg = service.cfg
     if cfg.metrics_port is None:
@@ -141,6 +143,9 @@ def attach(service: "KvService", engine: str) -> Optional[ServiceMetrics]:
             process = ProcessMetrics(port)
             try:
                 process.server, _ = start_http_server(port, addr=cfg.metrics_host, registry=process.registry)
+            except socket.gaierror as e:  # no such address: a setting to fix, not a port that is taken
+                raise ConfigError(f"gdskv config: metrics_host {cfg.metrics_host!r} is not an address of this "
+                                  f"machine ({e.strerror or e})") from None
             except OSError as e:
                 _refused = f"{cfg.metrics_host}:{port}: {e.strerror or e}"
                 log.warning("gdskv: metrics_port: cannot serve metrics on %s; serving without metrics", _refused)

@@ -65,6 +65,10 @@ class KvService(Lookups, Loads, Saves, HostKeeping, Counting):
                  shards: Optional[Sequence[int]] = None, served_by: str = "other") -> None:
         if not isinstance(cfg, GdsKvConfig):
             raise TypeError(f"KvService needs a GdsKvConfig, got {type(cfg).__name__}")
+        cfg.validate()  # ConfigError naming the setting: a config object changed since it was made
+        if cfg.metrics_port and cfg.metrics_port + spec.tp_rank > 65535:
+            raise ServiceSetupError(f"gdskv config: metrics_port {cfg.metrics_port}: rank {spec.tp_rank} would serve "
+                                    f"its metrics on port {cfg.metrics_port + spec.tp_rank}, past 65535")
         self.cfg = cfg
         self.spec = spec
         self.lease_seconds = lease_seconds
@@ -119,13 +123,17 @@ class KvService(Lookups, Loads, Saves, HostKeeping, Counting):
             if host_bytes:
                 self.host = HostTier(host_bytes)
                 self._host_copies = ThreadPoolExecutor(max_workers=HOST_COPY_THREADS, thread_name_prefix="gdskv-host")
-        if cfg.remote is not None:
-            try:
-                self.remote = RemoteTier(cfg.remote, auth_key, uploads=transfers, background_nice=cfg.background_nice)
-            except RemoteSetupError as e:
-                raise ServiceSetupError(str(e)) from None
-            self.remote.start_leftovers([self.namespaces[r] for r in self.transfers])
-        self.metrics = attach(self, served_by)
+        try:
+            if cfg.remote is not None:
+                try:
+                    self.remote = RemoteTier(cfg.remote, auth_key, uploads=transfers, background_nice=cfg.background_nice)
+                except RemoteSetupError as e:
+                    raise ServiceSetupError(str(e)) from None
+                self.remote.start_leftovers([self.namespaces[r] for r in self.transfers])
+            self.metrics = attach(self, served_by)
+        except BaseException:
+            self.close()  # the threads and the engine built so far
+            raise
         atexit.register(_flush_at_exit, weakref.ref(self))  # a process that ends without close() keeps its counts
         log.info("gdskv: service for %r shard %d/%d on namespace %s in %s%s", spec.model, spec.tp_rank, spec.tp_size,
                  self.namespace.id, cfg.store_path,
