@@ -393,6 +393,41 @@ def test_a_corrupt_chunk_is_a_load_failure_and_nothing_computed_on_it_is_saved(s
     rt2.close()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_without_a_recompute_hook_nothing_a_failed_load_request_computes_later_is_saved(store, tp):
+    """TensorRT-LLM has no hook to recompute a request whose load failed: it runs on, and the
+    blocks it completes in later steps stand on KV that is not its own. None is saved, on any
+    rank, until it finishes; a later request with the same tokens saves them."""
+    rt = make([single_pool_layout(single_pool(seed=9 + r), TPB) for r in range(tp)], tp_size=tp)
+    req = FakeRequest(1, PROMPT[:13])
+    rt.admit(req, [[0, 1, 2, 3]])
+    rt.step([(req, [[0, 1, 2, 3]], 0, 13)])
+    rt.finish(req, [[0, 1, 2, 3]])
+    ns = rt.workers[-1].namespace
+    keys = chain_keys(PROMPT + [99], TPB)
+    raw = bytearray(open(ns.chunk_path(0, keys[1]), "rb").read())
+    raw[5] ^= 0xFF
+    open(ns.chunk_path(0, keys[1]), "wb").write(bytes(raw))
+    rt.close()
+
+    rt2 = make([single_pool_layout(single_pool(seed=20 + r), TPB) for r in range(tp)], tp_size=tp)
+    req2 = FakeRequest(2, list(PROMPT))
+    pages2 = [[0, 1, 2, 3, 4, 5, 6]]
+    assert rt2.admit(req2, pages2) == 12
+    rt2.step([(req2, pages2, 12, 11)])  # the load fails; blocks 3 and 4 complete: not saved
+    req2.tokens.append(99)
+    rt2.step([(req2, pages2, 23, 1)])  # a decode step completes block 5: not saved either
+    assert [w.counters.saves_suppressed for w in rt2.workers] == [3] * tp
+    assert not any(w.namespace.contains_many(0, keys[3:6])[i] for w in rt2.workers for i in range(3))
+    assert rt2.finish(req2, pages2)
+    req3 = FakeRequest(3, PROMPT + [99])
+    rt2.admit(req3, [[7, 8, 9, 10, 11, 12, 13]])
+    rt2.step([(req3, [[7, 8, 9, 10, 11, 12, 13]], 0, 24)])
+    rt2.finish(req3, [[7, 8, 9, 10, 11, 12, 13]])
+    assert all(w.namespace.contains_many(0, keys[:6]) == [True] * 6 for w in rt2.workers)
+    rt2.close()
+
+
 # --- bring-up -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("over, setting", [

@@ -139,8 +139,11 @@ class Peers:
 
     specs: dict[int, NamespaceSpec] = field(default_factory=dict)
     """TP rank -> the namespace spec its worker registered."""
-    failed: dict[int, set[int]] = field(default_factory=dict)
-    """Step number -> request ids whose load failed on some rank in that step."""
+    tainted: dict[int, None] = field(default_factory=dict)
+    """Request ids whose load failed on some rank: TensorRT-LLM has no hook to recompute them, so
+    everything they compute from then on stands on KV that is not theirs, and none of it is
+    saved, until the request finishes (or an engine that recomputes it collects the failure:
+    ``get_load_failures``)."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def publish(self, rank: int, spec: NamespaceSpec) -> None:
@@ -157,19 +160,21 @@ class Peers:
                 return None
             return self.specs.get(0) or self.specs[min(self.specs)].with_rank(0)
 
-    def load_failed(self, step: int, request_id: int) -> None:
+    def load_failed(self, request_id: int) -> None:
+        """A load of ``request_id`` failed on some rank (a worker, as it finds out)."""
         with self.lock:
-            self.failed.setdefault(step, set()).add(request_id)
+            self.tainted[request_id] = None
 
-    def failed_in(self, step: int) -> set[int]:
-        """Requests whose load failed on some rank in ``step`` (so far)."""
+    def tainted_now(self) -> set[int]:
+        """The requests none of whose KV may be saved (a worker, before it posts saves)."""
         with self.lock:
-            return set(self.failed.get(step, ()))
+            return set(self.tainted)
 
-    def forget_before(self, step: int) -> None:
+    def finished(self, request_id: int) -> None:
+        """``request_id`` is finished and its saves settled (a worker's ``get_finished``), or the
+        engine recomputes it from scratch (``get_load_failures``)."""
         with self.lock:
-            for s in [s for s in self.failed if s < step]:
-                del self.failed[s]
+            self.tainted.pop(request_id, None)
 
 
 _PEERS: dict[tuple[str, str, int], Peers] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from gdskv.service.paced import PacedLoad
 from gdskv.transfer import LoadStatus
@@ -30,7 +30,14 @@ class WorkerCounters:
     saves_existing: int = 0
     saves_dropped: int = 0
     saves_suppressed: int = 0
-    """Saves not posted because the request's load failed in that step (its KV is not trusted)."""
+    """Saves not posted because a load of the request failed (its KV is not trusted)."""
+
+    @classmethod
+    def of(cls, service: Any, suppressed: int) -> "WorkerCounters":
+        """The counters of a worker's ``service`` (None: all zero) and its suppressed saves."""
+        done = service.snapshot() if service is not None else {}
+        names = [n for n in cls.__dataclass_fields__ if n != "saves_suppressed"]
+        return cls(**{n: done.get(n, 0) for n in names}, saves_suppressed=suppressed)
 
 
 def settle(inflight: dict[int, list[Future]], what: Optional[str]) -> None:

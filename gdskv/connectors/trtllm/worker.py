@@ -20,9 +20,9 @@ from gdskv.connectors.trtllm.deployment import ConnectorSetupError, Deployment, 
 from gdskv.connectors.trtllm.inflight import WorkerCounters, settle, settle_loads
 from gdskv.connectors.trtllm.layout_check import check_layout, region_tensors
 from gdskv.layout import single_pool_layout
-from gdskv.service.paced import PacedLoad, post_pages
 from gdskv.planner import ConnectorMetadata
 from gdskv.service import KvService, ServiceSetupError
+from gdskv.service.paced import PacedLoad, post_pages
 from gdskv.store import Namespace, NamespaceSpec
 from gdskv.transfer import LoadStatus, PageTransfer, page_segments
 
@@ -63,8 +63,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
         self._layout: Any = None
         self._group_layers: dict[int, frozenset[int]] = {}
         self._group_of_layer: dict[int, int] = {}
-        """Model layer -> its layer group id (``layout.group_of_layer``, resolved once at registration
-        rather than on every per-layer hook)."""
+        """Model layer -> its layer group id (resolved once at registration, not per layer hook)."""
         self._windows: dict[int, Optional[int]] = {}
         self._device: Any = None
         """Where the pool lives (ordering on its current stream when the engine passes none)."""
@@ -88,9 +87,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
     @property
     def counters(self) -> WorkerCounters:
         """A snapshot of this rank's transfer outcomes (the service counts them)."""
-        done = self.service.snapshot() if self.service is not None else {}
-        names = [n for n in WorkerCounters.__dataclass_fields__ if n != "saves_suppressed"]
-        return WorkerCounters(**{n: done.get(n, 0) for n in names}, saves_suppressed=self._suppressed)
+        return WorkerCounters.of(self.service, self._suppressed)
 
     @property
     def _transfer(self) -> Optional[PageTransfer]:
@@ -153,7 +150,6 @@ class GdsKvWorker(KvCacheConnectorWorker):
             return
         self._load_failures.clear()
         self._last_step = meta.step
-        self._peers.forget_before(meta.step)
         background = getattr(meta, "async_loads", frozenset())
         ready = None
         paced: dict[int, list[tuple[int, Any]]] = {}
@@ -227,11 +223,13 @@ class GdsKvWorker(KvCacheConnectorWorker):
             log.warning("gdskv: %d of %d asynchronous page loads of request %d failed; its KV is recomputed where the "
                         "engine can", bad, total, rid)
             self._load_failures[rid] = None
+            self._peers.load_failed(rid)
         busy = self._saves.keys() | self._loads.keys() | self._async_loads.keys()
         saved = [rid for rid in self._awaiting_save if rid not in busy]
         loaded = [rid for rid in self._awaiting_load if rid not in self._loads and rid not in self._async_loads]
         for rid in saved:
             del self._awaiting_save[rid]
+            self._peers.finished(rid)
         for rid in loaded:
             del self._awaiting_load[rid]
         return saved, loaded
@@ -243,6 +241,8 @@ class GdsKvWorker(KvCacheConnectorWorker):
         forward pass) and after ``get_finished`` (asynchronous loads)."""
         failed = list(self._load_failures)
         self._load_failures.clear()
+        for rid in failed:
+            self._peers.finished(rid)  # recomputed from scratch: what it computes from now on is its own
         return failed
 
     def close(self) -> None:
@@ -261,8 +261,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
             log.warning("gdskv: a load %s; the request's KV is recomputed where the engine can",
                         f"failed: {exc}" if exc is not None else f"came back {status.value}")
             self._load_failures[rid] = None
-            if self._step_meta is not None:
-                self._peers.load_failed(self._step_meta.step, rid)
+            self._peers.load_failed(rid)
 
     @property
     def tracked(self) -> int:
@@ -271,8 +270,9 @@ class GdsKvWorker(KvCacheConnectorWorker):
                              self._load_failures)))
 
     def _post_saves(self, gid: int, stream: Any) -> None:
-        """Post group ``gid``'s saves of this step (once), skipping requests whose load failed in
-        this step on any rank: their KV was computed on top of bytes that are not theirs."""
+        """Post group ``gid``'s saves of this step (once), skipping requests whose load failed on
+        any rank of this process, in this step or an earlier one: their KV was computed on top of
+        bytes that are not theirs (``Peers.tainted``)."""
         meta = self._step_meta
         if gid in self._groups_posted or meta is None or self._transfer is None:
             return
@@ -280,7 +280,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
         ops = meta.saves_of_group(gid)
         if not ops:
             return
-        failed = self._peers.failed_in(meta.step)
+        failed = self._peers.tainted_now()
         group = self._layout.group(gid)
         batch: list[tuple[int, Any, list[Any]]] = []
         for rid, op in ops:
