@@ -205,3 +205,30 @@ def test_saves_then_asynchronous_loads_then_a_failed_block(tmp_path):
     assert sched.matched(FakeRequest("c", tokens, cache_salt="tenant", prompt_token_ids=tokens), 0) == (0, False)
     sched.service.close()
     worker.close()
+
+
+def test_a_held_request_is_reported_when_get_finished_comes_before_wait_for_save(tmp_path):
+    """With speculative decoding vLLM calls ``get_finished`` before ``wait_for_save`` in a step:
+    the finished id arrives before the step whose metadata holds it has posted its saves. It is
+    reported once those are posted and done, never lost (vLLM passes a finished id once; a lost
+    one keeps its blocks allocated for good)."""
+    sched, worker, _ = sides(tmp_path)
+    tokens = list(range(100, 118))
+    req = FakeRequest("a", tokens, prompt_token_ids=tokens)
+    assert sched.matched(req, 0) == (0, False)
+    sched.allocated(req, ([1, 2, 3, 4, 5],), 0)
+    meta = sched.build_meta(out([NS(req_id="a", prompt_token_ids=tokens, block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0)],
+                                scheduled={"a": 18}))
+    worker.start_loads(meta)
+    worker.post_saves(meta)
+    assert sched.finished(req) is True
+    meta2 = sched.build_meta(out())
+    assert meta2.held == ("a",)
+    worker.start_loads(meta2)
+    for _ in range(50):  # the saves of step 1 land meanwhile; step 2's are not posted yet
+        assert worker.finished({"a"} if _ == 0 else set()) == (set(), set())
+        time.sleep(0.01)
+    worker.post_saves(meta2)
+    assert settle(worker) == ({"a"}, set())
+    sched.service.close()
+    worker.close()

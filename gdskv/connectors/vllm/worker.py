@@ -7,7 +7,9 @@
   step or before, so vLLM recomputes from it;
 - saves (``wait_for_save``, once the step's forward pass has written every layer) are posted
   and never awaited in the step; a request the scheduler holds is reported in
-  ``finished_sending`` once all of its saves are done;
+  ``finished_sending`` once the saves of the step that holds it are posted and all of its saves
+  are done (with speculative decoding vLLM calls ``get_finished`` before ``wait_for_save``, so
+  the id vLLM reports finished may come before those saves are posted);
 - a preempted request's saves are awaited (``preempted``) before vLLM reuses its blocks.
 """
 from __future__ import annotations
@@ -37,7 +39,11 @@ class WorkerSide:
         self.pool: Optional[PagePool] = None
         self._loads: dict[str, list[tuple[int, Optional[Future]]]] = {}
         self._saves: dict[str, list[Future]] = {}
-        self._held: set[str] = set()
+        self._held: dict[str, int] = {}
+        """Requests the scheduler holds -> the step whose metadata holds them (its saves are the
+        request's last)."""
+        self._posted = 0
+        """The last step whose saves are posted."""
         self._finished: set[str] = set()
         self._errors: set[int] = set()
         self._last_step = 0
@@ -59,9 +65,16 @@ class WorkerSide:
             for f in pending:  # each wait hurries the transfer's reaper (gdskv.futures.PageFuture)
                 f.exception()
 
+    def _hold(self, meta: StepMeta) -> None:
+        for rid in meta.held:
+            self._held.setdefault(rid, meta.step)
+
     def start_loads(self, meta: Any) -> None:
         meta = self._fresh(meta)
-        if meta is None or meta.step <= self._last_step:
+        if meta is None:
+            return
+        self._hold(meta)
+        if meta.step <= self._last_step:
             return
         self._last_step = meta.step
         ready = streams.record_ready(devices=[self.pool.device]) if meta.loads else None
@@ -76,7 +89,7 @@ class WorkerSide:
         meta = self._fresh(meta)
         if meta is None:
             return
-        self._held.update(meta.held)
+        self._hold(meta)
         ready = streams.record_ready(devices=[self.pool.device]) if meta.saves else None
         for rid, ops in meta.saves:
             for gid, mine in _by_group(ops):
@@ -85,6 +98,7 @@ class WorkerSide:
                 posted = [f for f in futures if f is not None]
                 if posted:
                     self._saves.setdefault(rid, []).extend(posted)
+        self._posted = max(self._posted, meta.step)
 
     # -- get_finished / get_block_ids_with_load_errors ---------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -108,10 +122,10 @@ class WorkerSide:
                 recving.add(rid)
         sending = set()
         for rid in list(self._finished):
-            if all(f.done() for f in self._saves.get(rid, ())):
+            if self._held[rid] <= self._posted and all(f.done() for f in self._saves.get(rid, ())):
                 self._saves.pop(rid, None)
                 self._finished.discard(rid)
-                self._held.discard(rid)
+                del self._held[rid]
                 sending.add(rid)
         self.service.flush_stats()
         return sending, recving
