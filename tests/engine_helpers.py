@@ -68,6 +68,10 @@ class _SchedulerCore:
         self.store, self.tpb, self.calls = store, tokens_per_block, calls
         self.async_load, self.async_save, self.offer = async_load, async_save, offer
         self.requests: dict[int, _Tracked] = {}
+        self.offered: dict[int, int] = {}
+        """Tokens offered for a synchronous load, which the first report leaves out (TensorRT-LLM's way)."""
+        self.answers: dict[int, tuple[int, bool]] = {}
+        """Every request's last ``get_num_new_matched_tokens`` answer (for the tests' checks)."""
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self.calls.append(("scheduler", "get_num_new_matched_tokens", request.request_id, num_computed_tokens))
@@ -79,7 +83,9 @@ class _SchedulerCore:
         tokens = hits * self.tpb
         if self.offer is not None:
             tokens = self.offer(tokens, len(request.get_tokens(0)))
-        return tokens, self.async_load and tokens > 0
+        self.offered[request.request_id] = 0 if self.async_load and tokens > 0 else tokens
+        self.answers[request.request_id] = (tokens, self.async_load and tokens > 0)
+        return self.answers[request.request_id]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MemoryMeta:
         self.calls.append(("scheduler", "build_connector_meta", pickle.loads(pickle.dumps(scheduler_output))))
@@ -94,12 +100,13 @@ class _SchedulerCore:
                 for g, delta in enumerate(ids):
                     tracked.blocks[g] += delta
             keys = chain_keys(tracked.tokens, self.tpb, tracked.salt)
+            computed = data.computed_position + (self.offered.pop(data.request_id, 0) if first else 0)
             if first:
                 for g, blocks in enumerate(tracked.blocks):
-                    for ordinal, slot in valid_page_slots(blocks[: data.computed_position // self.tpb]):
+                    for ordinal, slot in valid_page_slots(blocks[: computed // self.tpb]):
                         meta.loads.append(Transfer(data.request_id, g, ordinal, slot, keys[ordinal]))
-            done = data.computed_position + data.num_scheduled_tokens
-            for ordinal in range(data.computed_position // self.tpb, done // self.tpb):
+            done = computed + data.num_scheduled_tokens
+            for ordinal in range(computed // self.tpb, done // self.tpb):
                 for g, blocks in enumerate(tracked.blocks):
                     if blocks[ordinal] >= 0:
                         meta.saves.append(Transfer(data.request_id, g, ordinal, blocks[ordinal], keys[ordinal]))

@@ -80,10 +80,14 @@ class Runtime:
     num_layers: int
     per_group: bool = True
     reported: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    external_loads: dict[int, int] = field(default_factory=dict)
+    """Tokens the connector offered, left out of a request's first ``computed_position`` as
+    TensorRT-LLM's ``build_scheduler_output`` does."""
 
     def admit(self, req: FakeRequest, pages: list[list[int]]) -> int:
         n, is_async = self.scheduler.get_num_new_matched_tokens(req, 0)
         assert is_async is False
+        self.external_loads[req.request_id] = n
         if self.per_group:
             self.scheduler.update_state_after_alloc_by_layer_group(req, pages)
         else:
@@ -92,6 +96,8 @@ class Runtime:
 
     def data(self, req: FakeRequest, pages: list[list[int]], computed: int, scheduled: int) -> tuple[bool, RequestData]:
         first = req.request_id not in self.reported
+        if first:
+            computed -= self.external_loads.pop(req.request_id, 0)
         seen_tokens, seen_pages = self.reported.get(req.request_id, (0, [0] * len(pages)))
         delta = [ids[s:] for ids, s in zip(pages, seen_pages)]
         self.reported[req.request_id] = (len(req.tokens), [len(ids) for ids in pages])
@@ -391,6 +397,28 @@ def test_a_corrupt_chunk_is_a_load_failure_and_nothing_computed_on_it_is_saved(s
     assert not any(w.namespace.contains_many(0, keys[3:5])[i] for w in rt2.workers for i in range(2))
     assert not ns.contains(0, keys[1]), "the corrupt chunk was quarantined"
     rt2.close()
+
+
+def test_a_prefill_past_a_loaded_prefix_saves_its_new_blocks_in_that_step(store):
+    """TensorRT-LLM leaves the tokens the connector offered out of a request's first
+    ``computed_position``: the KV at the end of that step still reaches the prompt's end, so the
+    blocks past the loaded prefix are saved in that step, and a request that ends right after its
+    prefill (prewarm, classification: max_tokens=1) does not lose them."""
+    rt = make([single_pool_layout(single_pool(seed=1), TPB)])
+    req = FakeRequest(1, PROMPT)  # 5 full blocks stored
+    rt.admit(req, [[0, 1, 2, 3, 4, 5]])
+    rt.step([(req, [[0, 1, 2, 3, 4, 5]], 0, len(PROMPT))])
+    assert rt.finish(req, [[0, 1, 2, 3, 4, 5]])
+    longer = list(range(3, 34))  # 31 tokens: the same 5 blocks, then 2 more full ones
+    req2 = FakeRequest(2, longer)
+    pages2 = [[6, 7, 8, 9, 10, 11, 12, 13]]
+    assert rt.admit(req2, pages2) == 20
+    meta = rt.step([(req2, pages2, 20, 11)])  # reported to the connector as computed_position 0
+    assert [op.page_slot for _, op in meta.saves_of_group(0)] == [11, 12]
+    assert [op.page_slot for _, op in meta.loads_of_group(0)] == [6, 7, 8, 9, 10]
+    assert rt.finish(req2, pages2)
+    assert rt.workers[0].namespace.contains_many(0, chain_keys(longer, TPB)) == [True] * 7
+    rt.close()
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -24,7 +24,9 @@ class RequestData:
     reported (everything, on its first report). Block entries are page slots per block ordinal,
     ``-1`` where the block has no page; ``new_block_ids`` is the flat form, empty when the cache
     has more than one layer group. ``computed_position`` counts tokens already computed or
-    loaded before this step; ``num_scheduled_tokens`` is what this step's forward pass computes.
+    loaded before this step, less (on the first report, as TensorRT-LLM does) the tokens the
+    connector offered for a synchronous load; ``num_scheduled_tokens`` is what this step's
+    forward pass computes.
     """
 
     request_id: int
@@ -74,6 +76,9 @@ class EngineRequest:
     """Tokens whose KV is in the pages (computed or loaded)."""
     num_loaded: int = 0
     """Prompt tokens the connector was honoured for (0 after a load failure)."""
+    offered_sync: int = 0
+    """Tokens the connector offered for a synchronous load: left out of the first report's
+    ``computed_position``, as TensorRT-LLM leaves out the connector's matched tokens."""
     prefix_verified: bool = True
     """False from admission with a loaded prefix until the end of its first computing step."""
     ttft_s: float = 0.0
@@ -124,7 +129,7 @@ class EngineRequest:
             new_tokens=tokens[self._reported_tokens:],
             new_block_ids=list(by_group[0]) if self.num_groups == 1 else [],
             new_block_ids_by_layer_group=by_group,
-            computed_position=self.num_computed,
+            computed_position=self.num_computed - (self.offered_sync if not self._reported else 0),
             num_scheduled_tokens=num_scheduled_tokens,
             cache_salt=self.cache_salt,
         )

@@ -242,6 +242,7 @@ class ReferenceEngine:
         offered, is_async = self.connector.matched_tokens(request) if self.connector else (0, False)
         honoured = min(offered, request.prompt_len - 1) // tpb * tpb
         request.num_loaded = request.num_computed = honoured
+        request.offered_sync = 0 if is_async else offered
         request.prefix_verified = honoured == 0
         self._allocate_through(request, request.next_chunk(self.engine_cfg.chunk_size)[1])
         if self.connector:

@@ -193,9 +193,8 @@ def plan_step(
     ``g``'s attention window (``None`` = full attention).
 
     The KV that exists at the end of the step is taken as ``computed_position +
-    num_scheduled_tokens``. On a first report that leaves out the promised prefix, which only
-    delays (never advances) saves of the blocks past it: a runtime may honour less than promised,
-    and a block is saved only once its tokens are certainly computed. A later report whose
+    num_scheduled_tokens`` (TensorRT-LLM leaves a synchronous offer out of a first report's
+    ``computed_position``; its adapter adds it back, ``GdsKvScheduler._plan``). A later report whose
     ``computed_position`` is behind that end means the engine threw KV away and recomputes it
     (the reference engine does after a failed load): planning rewinds to that position.
     """

@@ -101,7 +101,8 @@ class StepReport:
 
     ``new_tokens`` and ``new_block_ids_by_group[g]`` are deltas since the request's previous
     report (everything, on its first). ``computed_position`` counts tokens whose KV exists before
-    this step (on a first report TensorRT-LLM leaves out the tokens the connector promised);
+    this step, the loaded prefix included (TensorRT-LLM's first report leaves out the tokens the
+    connector offered: the adapter adds them back);
     ``num_scheduled_tokens`` is what this step's forward pass computes.
     """
 

@@ -8,7 +8,7 @@ step). Its service only looks up (``transfers=False``): this half never touches 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from gdskv.config import GdsKvConfig, load_config
@@ -42,6 +42,9 @@ class Tracked:
 
     state: RequestState
     load_async: bool = False
+    offered: int = 0
+    """The tokens ``get_num_new_matched_tokens`` offered: TensorRT-LLM leaves a synchronous
+    offer out of the request's first ``computed_position``, which ``_plan`` adds back."""
 
 
 @dataclass
@@ -144,7 +147,7 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         load_async = loads_async(found, sum(self.service.bytes_per_page(g) for g in self.service.group_ids),
                                  self._cfg.async_load_min_bytes, self._cfg.window_aware)
         state = new_request(rid, tokens, salt, self.service.tokens_per_block, len(self.service.windows), found)
-        self._requests.put(rid, Tracked(state, load_async))
+        self._requests.put(rid, Tracked(state, load_async, found.num_new_tokens))
         self._planned.async_loads += load_async
         log.debug("gdskv: request %d: %d of %d prompt tokens from the store%s", rid, found.num_new_tokens, len(tokens),
                   " (asynchronous load)" if load_async else "")
@@ -204,6 +207,8 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
             log.debug("gdskv: request %d reported as cached without a first report; not planned", report.request_id)
             return None
         self._requests.mark_scheduled(report.request_id)
+        if first and not tracked.load_async and tracked.offered:  # the KV before the step includes the offer
+            report = replace(report, computed_position=report.computed_position + tracked.offered)
         plan = plan_step(tracked.state, report, first, self.service.windows, self.service.stored, window_aware=self._cfg.window_aware)
         self._planned.loads_planned += sum(len(ops) for ops in plan.loads.values())
         self._planned.saves_planned += sum(len(ops) for ops in plan.saves.values())
