@@ -400,7 +400,7 @@ class GdsKvConfig:
 _FIELDS = {f.name for f in dataclasses.fields(GdsKvConfig)}
 
 
-def load_config(path: Optional[str] = None, **overrides: Any) -> GdsKvConfig:
+def load_config(path: Optional[str] = None, /, **overrides: Any) -> GdsKvConfig:
     """Build the config (see the module docstring for precedence)."""
     values: dict[str, Any] = {}
     path = path or os.environ.get(ENV_CONFIG)

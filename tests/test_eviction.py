@@ -629,3 +629,14 @@ def test_the_free_space_floor_counts_whole_file_system_blocks() -> None:
     assert shortfall(limits, used=0, fs_total=10**9, fs_free=100_000 + 4097, incoming=4097) == 0
     assert shortfall(limits, used=0, fs_total=10**9, fs_free=100_000 + 4097, incoming=4097, block=4096) == 8192 - 4097
     assert shortfall(limits, used=0, fs_total=10**9, fs_free=100_000 + 8192, incoming=4097, block=4096) == 0
+
+
+def test_no_room_names_the_limit_that_leaves_no_room_for_one_chunk():
+    from gdskv.eviction import Limits, no_room
+
+    chunk = 4096 + 128
+    assert "max_bytes" in no_room(Limits(max_bytes=chunk - 1), 10**12, 4096)
+    assert no_room(Limits(max_bytes=chunk), 10**12, 4096) is None
+    assert "free-space floor" in no_room(Limits(min_free_bytes=10**12), 10**12, 4096)
+    assert "free-space floor" in no_room(Limits(min_free_percent=99.99999999), 10**9, 4096)
+    assert no_room(Limits(min_free_percent=50.0), 10**9, 4096) is None

@@ -284,3 +284,18 @@ def test_saves_and_background_loads_run_nicer_than_the_caller_and_waited_for_loa
     off.load_many(0, [(keys[1], outs[1])], ready=probe, background=True)[0].result()
     assert probe.nice == [base]
     off.close()
+
+
+@pytest.mark.parametrize("limits", [{"max_bytes": 0}, {"max_bytes": 100}, {"min_free_bytes": "1000P"}, {"min_free_percent": 99.99999999}])
+def test_limits_that_leave_no_room_for_a_page_are_named_at_bring_up(cfg, caplog, limits):
+    svc = KvService(dataclasses.replace(cfg, **limits), spec())
+    try:
+        assert "every save will be dropped" in caplog.text
+        assert svc.save(0, b"k" * 32, None, page(1)).result() is SaveStatus.DROPPED
+    finally:
+        svc.close()
+
+
+def test_limits_with_room_for_pages_say_nothing(cfg, caplog):
+    KvService(dataclasses.replace(cfg, max_bytes="1M", min_free_percent=1.0), spec()).close()
+    assert "every save will be dropped" not in caplog.text

@@ -232,3 +232,8 @@ def test_a_held_request_is_reported_when_get_finished_comes_before_wait_for_save
     assert settle(worker) == ({"a"}, set())
     sched.service.close()
     worker.close()
+
+
+def test_extra_config_path_is_an_unknown_setting_not_a_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="unknown setting 'path'"):
+        store_config(vllm_config(extra={"path": str(tmp_path / "x.toml"), "store_path": str(tmp_path / "s")}))

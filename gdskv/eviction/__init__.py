@@ -66,6 +66,7 @@ from gdskv.eviction.policy import (
     depths,
     effective_recency,
     eviction_order,
+    no_room,
     pick_victims,
     select_victims,
     shortfall,
@@ -75,7 +76,7 @@ from gdskv.eviction.removal import Removal, remove_chunk, remove_chunks
 __all__ = [
     "NO_PARENT", "INDEX_DIR", "INFLIGHT_TTL_S",
     "ArrayRef", "ChunkInfo", "ChunkTable", "Limits", "Removal", "Budget", "DiskUsage",
-    "depths", "effective_recency", "eviction_order", "select_victims", "pick_victims", "shortfall",
+    "depths", "effective_recency", "eviction_order", "select_victims", "pick_victims", "shortfall", "no_room",
     "chunk_index_of", "read_trailer", "scan_store", "rebuild_catalog", "namespace_ids_matching", "catalog",
     "remove_chunk", "remove_chunks", "disk_usage", "install_budget",
 ]

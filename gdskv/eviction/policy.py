@@ -287,6 +287,20 @@ class Limits:
         return max(self.min_free_bytes or 0, pct)
 
 
+def no_room(limits: Limits, fs_total: int, page_bytes: int) -> Optional[str]:
+    """Why ``limits`` leave no room for a single chunk of ``page_bytes`` (plus its trailer) on a
+    file system of ``fs_total`` bytes, so that every save would be dropped; None when one fits.
+    The service logs it at bring-up (``KvService``): a typo in a size should not look like a
+    cache that never hits."""
+    chunk = page_bytes + fmt.TRAILER_BYTES
+    if limits.max_bytes is not None and limits.max_bytes < chunk:
+        return f"max_bytes {limits.max_bytes} is less than one chunk ({chunk} bytes)"
+    if limits.has_floor and limits.floor_bytes(fs_total) + chunk > fs_total:
+        return (f"the free-space floor (min_free_bytes / min_free_percent: {limits.floor_bytes(fs_total)} bytes) "
+                f"leaves no room for a chunk on a file system of {fs_total} bytes")
+    return None
+
+
 def shortfall(limits: Limits, used: int, fs_total: int, fs_free: int, incoming: int = 0, block: int = 1) -> int:
     """Bytes that must be freed before ``incoming`` more bytes can be stored within ``limits``
     (0 when they fit). ``used``: bytes of the store's chunks; ``fs_*``: the file system's size and

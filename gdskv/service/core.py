@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 from gdskv.config import GdsKvConfig
-from gdskv.eviction import install_budget
+from gdskv.eviction import Limits, disk_usage, install_budget, no_room
 from gdskv.garbage import collect_in_background
 from gdskv.hosttier import HostTier, TierConfigError, tier_bytes
 from gdskv.io import IoEngine, make_engine
@@ -106,6 +106,7 @@ class KvService(Lookups, Loads, Saves, HostKeeping, Counting):
             self.namespaces = [self.store.namespace(spec.with_rank(r)) for r in range(spec.tp_size)]
             if transfers or cfg.remote is not None:  # a lookup-only service writes no chunk unless it reads through
                 install_budget(self.store, cfg)
+                self._warn_if_no_room(cfg, spec)
             collect_in_background(self.store)
         except StoreError as e:
             raise ServiceSetupError(f"gdskv: store_path {cfg.store_path}: {e}") from None
@@ -152,6 +153,16 @@ class KvService(Lookups, Loads, Saves, HostKeeping, Counting):
     def bytes_per_page(self, group: int) -> int:
         """The bytes of one page of layer group ``group`` (this shard's)."""
         return self.spec.group(group).bytes_per_page
+
+    def _warn_if_no_room(self, cfg: GdsKvConfig, spec: NamespaceSpec) -> None:
+        """Log, once at bring-up, capacity limits that leave no room for the smallest page, which
+        would drop every save (``gdskv.eviction.no_room``)."""
+        limits = Limits.of(cfg)
+        if not limits.active:
+            return
+        why = no_room(limits, disk_usage(cfg.store_path)[0], min(g.bytes_per_page for g in spec.groups))
+        if why is not None:
+            log.warning("gdskv: %s: every save will be dropped; raise the limit in the gdskv config", why)
 
     def other_geometries(self) -> list[str]:
         """The ids of the store's namespaces for this model and shard with another geometry,
