@@ -71,9 +71,9 @@ class ReferenceRunner:
         published, existing = w.counters.saves_published, w.counters.saves_existing
         self._current = (prompt.source, len(ids), published + existing)
         nbytes = ns.counters["bytes_written"] if ns is not None else 0
-        failed = _failed_saves(ns)
+        failed_before = _failed_saves(ns)
         [res] = self.stack.engine.generate([ids], max_new_tokens=1, cache_salts=[self.salt])
-        failed = _failed_saves(ns) - failed
+        failed = _failed_saves(ns) - failed_before
         if failed:
             raise RuntimeError(f"{failed} of its blocks could not be saved (see the warning above)")
         return Outcome(

@@ -160,7 +160,11 @@ class KvService(Lookups, Loads, Saves, HostKeeping, Counting):
         limits = Limits.of(cfg)
         if not limits.active:
             return
-        why = no_room(limits, disk_usage(cfg.store_path)[0], min(g.bytes_per_page for g in spec.groups))
+        try:
+            fs_total = disk_usage(cfg.store_path)[0]
+        except OSError:  # the budget's own probe says so where it matters
+            return
+        why = no_room(limits, fs_total, min(g.bytes_per_page for g in spec.groups))
         if why is not None:
             log.warning("gdskv: %s: every save will be dropped; raise the limit in the gdskv config", why)
 
