@@ -44,6 +44,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def file_age(st: os.stat_result, now: float) -> float:
+    """Seconds since a file last changed: from its mtime, or, where that lies ahead (a clock that
+    ran ahead, times copied with it), from its ctime, which no one but the kernel sets."""
+    return now - (st.st_mtime if st.st_mtime <= now else st.st_ctime)
+
+
 def temp_file_is_stale(name: str, age_s: float, min_age_s: float, grace_s: float) -> bool:
     """The removal rule for one temp file (pure apart from the pid probe)."""
     if age_s >= grace_s:
@@ -82,7 +88,7 @@ def find_garbage(store: PageStore, min_age_s: float, grace_s: float, now: Option
                   if e.kind == "file" and e.st is not None and fmt.is_temp_name(e.name)]
     temps += list(_private_temp_files(store))
     for path, st in temps:
-        if temp_file_is_stale(os.path.basename(path), now - st.st_mtime, min_age_s, grace_s):
+        if temp_file_is_stale(os.path.basename(path), file_age(st, now), min_age_s, grace_s):
             out.temp_files.append((path, st.st_size))
     for array in arrays:
         base = f"ns/{array.ns_id}/g{array.group}/c"

@@ -186,6 +186,24 @@ def test_evict_max_bytes_keeps_prefixes(store: tuple[Path, Namespace], chains: l
     assert json.loads(run(root, "stats", "--json").stdout)["namespaces"][ns.id]["evicted"] == 12
 
 
+def test_times_a_clock_ahead_left_neither_pin_nor_keep_chunks(store: tuple[Path, Namespace], chains: list[list[int]]) -> None:
+    """An atime ten years ahead is no lookup's lease (leases run 30 s), and an mtime ten years
+    ahead no use: from a clock that ran ahead, or a copy that kept times. Neither keeps a chain
+    in the store for good, nor a temp file from ``gc``."""
+    root, ns = store
+    ahead = time.time_ns() + 10 * 365 * 86400 * 10**9
+    now = time.time_ns()
+    os.utime(ns.chunk_path(0, chain_keys(chains[0], TPB)[-1]), ns=(ahead, now))
+    os.utime(ns.chunk_path(1, chain_keys(chains[1], TPB)[-1]), ns=(now, ahead))
+    temp = Path(ns.chunk_path(0, chain_keys(chains[2], TPB)[0]) + ".tmp.999999.7")
+    temp.write_bytes(b"x" * 10)
+    os.utime(temp, ns=(ahead, ahead))
+    res = run(root, "evict", "--max-bytes", "0", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["removed"] == 22, res.output
+    res = run(root, "gc", "--min-age", "0s", "--json")
+    assert res.exit_code == 0 and not temp.exists(), res.output
+
+
 def test_evict_older_than_and_namespace(tmp_path: Path, chains: list[list[int]]) -> None:
     root = tmp_path / "s"
     a = build_store(root, chains, model="model/a")

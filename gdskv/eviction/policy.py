@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Collection, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -235,11 +235,14 @@ def select_victims(table: ChunkTable, bytes_to_free: Optional[int], pinned_rows:
     pinned = np.zeros(len(table), dtype=bool)
     if len(pinned_rows):
         pinned[np.asarray(list(pinned_rows), dtype=np.int64)] = True
-    if now_ns is not None and table.leased_until_ns is not None:
-        pinned |= table.leased_until_ns > now_ns
+    mtime_ns = table.mtime_ns
+    if now_ns is not None:
+        if table.leased_until_ns is not None:
+            pinned |= leased(table.leased_until_ns, now_ns)
+        mtime_ns = ranked_mtimes(mtime_ns, now_ns)
     if bytes_to_free is not None and bytes_to_free <= 0:
         return np.zeros(0, dtype=np.int64)
-    eff, depth = effective_recency(table.parent, table.mtime_ns, pinned)
+    eff, depth = effective_recency(table.parent, mtime_ns, pinned)
     ok = eff != _PINNED
     if older_than_ns is not None:
         ok &= eff < older_than_ns
@@ -285,6 +288,27 @@ class Limits:
         """Bytes that must stay free on the file system."""
         pct = 0 if self.min_free_percent is None else int(fs_total * self.min_free_percent / 100)
         return max(self.min_free_bytes or 0, pct)
+
+
+MAX_LEASE_NS = 3600 * 10**9
+"""The furthest ahead a lease (a chunk's atime) is honoured: leases run ``lease_seconds`` (30 s)
+past a lookup, so an atime further ahead is a clock that ran ahead or a copy that kept times
+(``cp -a``), and would pin the chunk for as long."""
+
+
+def leased(leased_until_ns: Any, now_ns: int) -> Any:
+    """Whether a chunk whose atime is ``leased_until_ns`` (a number or an array) is under a
+    lookup's lease at ``now_ns``: ahead of it, by at most ``MAX_LEASE_NS``. Eviction's rule,
+    when it ranks (``select_victims``) and when it removes (``remove_chunks``)."""
+    return (leased_until_ns > now_ns) & (leased_until_ns <= now_ns + MAX_LEASE_NS)
+
+
+def ranked_mtimes(mtime_ns: np.ndarray, now_ns: int) -> np.ndarray:
+    """The mtimes eviction ranks by: one a little ahead of ``now_ns`` (clocks of writers that
+    differ) as ``now_ns``, one further ahead than ``MAX_LEASE_NS`` as unknown, 0: a clock that
+    ran years ahead must not keep a chain in the store for years."""
+    mtime_ns = np.asarray(mtime_ns, dtype=np.int64)
+    return np.where(mtime_ns > now_ns + MAX_LEASE_NS, 0, np.minimum(mtime_ns, now_ns))
 
 
 def no_room(limits: Limits, fs_total: int, page_bytes: int) -> Optional[str]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from gdskv import format as fmt
 from gdskv.eviction.journal import REMOVE, TOUCH, journal_of, records
-from gdskv.eviction.policy import ArrayRef, ChunkTable
+from gdskv.eviction.policy import ArrayRef, ChunkTable, leased
 from gdskv.store import Namespace, PageStore
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def _remove_chunk(store: PageStore, rel: str, ranked_mtime_ns: Optional[int]) ->
         st = None
         log.warning("gdskv: could not check the lease of %s: %s", fs.abspath(fs.rel(rel)), e)
     try:
-        if st is None or st.st_atime_ns > time.time_ns():
+        if st is None or leased(st.st_atime_ns, time.time_ns()):
             why = "leased"  # (or unknown)
         elif ranked_mtime_ns is not None and st.st_mtime_ns > ranked_mtime_ns:
             why = "fresh"
