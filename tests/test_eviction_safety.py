@@ -448,3 +448,39 @@ def test_no_lease_is_lost_to_racing_evictors(tmp_path: Path) -> None:
           f"{via_cli['removed']} (cli, {via_cli['rounds']} rounds); leased chunks missing: {len(missing)}")
     assert lease["leased"] and api["removed"] + via_cli["removed"] > 0, "the race did not happen"
     assert missing == [], f"{len(missing)} of {len(leased)} leased chunks were evicted"
+
+
+_SAVER = r"""
+import sys, torch
+from gdskv.config import GdsKvConfig
+from gdskv.service import KvService
+from gdskv.store import GroupSpec, NamespaceSpec
+root, wid, max_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+spec = NamespaceSpec("mp/budget", "uint8", 2, (GroupSpec(0, 4096, (0,)),))
+svc = KvService(GdsKvConfig(store_path=root, max_bytes=max_bytes, host_bytes=0), spec)
+page = [torch.full((4096,), wid, dtype=torch.uint8)]
+for chain in range(60):
+    keys = svc.keys([wid * 10**6 + chain * 1000 + t for t in range(9)])
+    for f in [svc.save(0, k, keys[i - 1] if i else None, page) for i, k in enumerate(keys)]:
+        f.result(timeout=30)
+svc.close()
+"""
+
+
+def test_processes_sharing_a_store_keep_it_near_its_budget(tmp_path):
+    """Processes on one store each admit saves against the index as they last read it: each
+    filled the whole room it showed (three processes left a store three times over its budget,
+    for good). Each now reads the index again once it admitted ``headroom`` of the budget since,
+    and evicts what a read shows beyond the limits."""
+    import subprocess
+    import sys as _sys
+
+    root = tmp_path / "store"
+    chunk = 4096 + 128
+    budget_chunks = 64
+    procs = [subprocess.Popen([_sys.executable, "-c", _SAVER, str(root), str(w), str(budget_chunks * chunk)])
+             for w in range(1, 4)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    stored = sum(e.stat().st_size for _, _, e in PageStore.open(root, create=False).iter_chunk_files())
+    # each process may run ahead of the others' saves by its allowance (four chunks here) at most
+    assert stored <= (budget_chunks + 3 * 4) * chunk, f"{stored // chunk} chunks stored, budget {budget_chunks}"

@@ -63,7 +63,9 @@ class Budget:
     (``Namespace.lease_many``). The store's chunk bytes come from the chunk index
     (``gdskv.eviction.catalog``), never from a walk on the serving path: read on a background
     thread at bring-up and every ``refresh_seconds`` (other processes' saves and evictions are in
-    their journals), plus what this process admitted since. Until the first read lands, the
+    their journals), plus what this process admitted since; read again sooner once this process
+    admitted ``headroom`` of a byte budget since (``_stale``: other processes fill the room a
+    read showed too). Until the first read lands, the
     estimate is the file system's used bytes (never less than the store's): saves that fit even
     so go ahead, others are dropped. When a save does not fit, the index is read whole, ranked,
     and the victims removed (``remove_chunks``, which re-checks every file); an eviction frees
@@ -97,7 +99,11 @@ class Budget:
         self._inflight_blocks = 0  # the same saves in the file system's allocation units
         self._block = block_size or _allocation_unit(str(store.root))
         self._counting = False
-        self._published_while_counting = 0
+        self._published_while_counting: list[tuple[Optional[tuple[str, int]], int]] = []
+        """``(where the journal records ended, bytes)`` of publishes while counting."""
+        self._counted_to: dict[str, int] = {}  # how far the last count read each journal
+        self._admitted_since_count = 0  # bytes reserved since the index was last read
+        self._evictions = 0  # evictions that changed ``_used``: a count read before one is stale
         self._counted_at = float("-inf")
         self._background: Optional[threading.Thread] = None
         self.counted = threading.Event()  # set once the index was read (or found missing and walked)
@@ -150,6 +156,8 @@ class Budget:
     def _admit(self, ns: Namespace, group: int, nbytes: int, lineage: Lineage) -> bool:
         if self.admit_now(nbytes):
             return True
+        if self._stale(nbytes) and self._count(walk=False) and self.admit_now(nbytes):
+            return True  # what other processes saved since the last read is counted now
         if not self._evicting.acquire(timeout=self.max_wait_seconds):
             return False  # another thread is still making room: a late save is worth less than a free thread
         try:
@@ -209,6 +217,7 @@ class Budget:
             got = remove_chunks(self.store, table, order, lambda p: self._pins[_norm(p)] > 0, self._state)
             with self._state:
                 self._used = max(0, (self._used or 0) - got.freed_bytes)
+                self._evictions += 1
             done += got
             if done.freed_bytes >= need or not got.skipped_fresh:
                 break  # the headroom alone is not worth another ranking
@@ -245,19 +254,21 @@ class Budget:
         at = time.time_ns()
         mtimes = ns.chunk_mtimes(group, [key for key, _ in chunks], nbytes)
         found = [(key, parent, mtime) for (key, parent), mtime in zip(chunks, mtimes) if mtime is not None]
+        end: Optional[tuple[str, int]] = None
         if found:  # a chunk gone again (or replaced) by now has nothing to journal
             parents = np.full(len(found), NO_PARENT, dtype=np.uint64)
             with_parent = [i for i, (_, parent, _) in enumerate(found) if parent is not None]
             parents[with_parent] = chunk_indexes(ns, group, [found[i][1] for i in with_parent])
-            self.journal.append(records(PUBLISH, ns.id, group, chunk_indexes(ns, group, [key for key, _, _ in found]),
-                                        parents, nbytes, np.array([m for _, _, m in found], dtype=np.int64), 0, at))
+            end = self.journal.append(records(PUBLISH, ns.id, group, chunk_indexes(ns, group, [key for key, _, _ in found]),
+                                              parents, nbytes, np.array([m for _, _, m in found], dtype=np.int64), 0, at))
         with self._state:
             for _ in chunks:
                 self._unreserve(nbytes)
-            if self._used is not None:
+            # a count that read past these records has their bytes: they are not added twice
+            if self._used is not None and not self._counted(end):
                 self._used += nbytes * len(chunks)
             if self._counting:
-                self._published_while_counting += nbytes * len(chunks)
+                self._published_while_counting.append((end, nbytes * len(chunks)))
 
     def on_present(self, nbytes: int) -> None:
         """A save admitted (``admit_now``) found its chunk stored already and wrote nothing: its
@@ -314,6 +325,7 @@ class Budget:
         finally:
             self.counted.set()
 
+
     def refresh(self) -> Optional[catalog.Summary]:
         """Read the store's bytes from the index (a walk first when there is none, or when the
         last one is older than ``rewalk_seconds``; the index folded when its journals grew).
@@ -331,7 +343,8 @@ class Budget:
         """Set the byte count from the index; with ``walk``, walk the store first when it has
         no index (``rebuild_catalog``). None when there is no index (yet)."""
         with self._state:
-            self._counting, self._published_while_counting = True, 0
+            self._counting, self._published_while_counting = True, []
+            evictions = self._evictions
         try:
             try:
                 summary = catalog.totals(self.store)
@@ -340,12 +353,22 @@ class Budget:
                     return None
                 summary = catalog.totals(self.store)
             with self._state:
-                # a chunk published while counting may or may not be in the count: count it (safe side)
-                self._used = summary.nbytes + self._published_while_counting
+                if self._evictions == evictions or self._used is None:
+                    # chunks published while counting are in it where it read their journal records
+                    self._counted_to = summary.journal_ends
+                    self._used = summary.nbytes + sum(n for end, n in self._published_while_counting if not self._counted(end))
+                    self._admitted_since_count = 0
+                # else an eviction ran meanwhile and took its bytes off a count this one may predate:
+                # the next count (the next admission asks for one) settles it
             return summary
         finally:
             with self._state:
                 self._counting = False
+
+    def _counted(self, end: Optional[tuple[str, int]]) -> bool:
+        """Whether the last count read a journal past ``end`` (``Journal.append``'s answer; None:
+        not journaled, never counted). Caller holds ``_state``."""
+        return end is not None and self._counted_to.get(end[0], 0) >= end[1]
 
     def _log_error(self, line: str) -> None:
         now = self.clock()
@@ -378,11 +401,27 @@ class Budget:
                 self._inflight_bytes -= n
                 self._inflight_blocks -= self._blocks(n)
             usage = self._usage()
-            for taken in range(count):
-                if self._need(nbytes, usage) > 0:
-                    return taken
+            taken = 0
+            while taken < count and self._need(nbytes, usage) == 0:
                 self._reserve(now, nbytes)
-            return count
+                self._admitted_since_count += nbytes
+                taken += 1
+            stale = self._stale(nbytes)
+        if stale:
+            self.start_background()  # read the index again: other processes took of the room it showed
+        return taken
+
+    def _stale(self, nbytes: int) -> bool:
+        """Whether the last index read, plus ``nbytes`` more, is too old against a byte budget:
+        other processes on the store fill the room it showed as well, so each reads the index
+        again (on the background thread) once it admitted ``headroom`` of the budget (four
+        chunks at least) since, instead of filling all of it (N processes filled N times the
+        room: a store 4-9 times over its budget). The free-space floor needs no such bound: the
+        file system's free space is asked on every admission."""
+        if self.limits.max_bytes is None or self._used is None:
+            return False
+        allowance = max(int(self.headroom * self.limits.max_bytes), 4 * nbytes)
+        return self._admitted_since_count + nbytes > allowance
 
     def _reserve(self, now: float, nbytes: int) -> None:
         """Count a save of ``nbytes`` as in flight from ``now`` (caller holds ``_state``)."""

@@ -232,6 +232,8 @@ class Summary:
     per_array: dict[tuple[str, int], tuple[int, int]]
     journal_records: int
     walked_at_ns: int
+    journal_ends: dict[str, int] = field(default_factory=dict)
+    """How far each journal was read: ``Budget`` tells from it whether other processes write."""
 
     @property
     def chunks(self) -> int:
@@ -249,10 +251,10 @@ def totals(store: PageStore) -> Summary:
     h = Header.read(store)
     fd = _open_data(store, h)
     try:
-        recs, _ = read_journals(store, h.journals)
+        recs, ends = read_journals(store, h.journals)
         per = {a: c for a, c in zip(h.arrays, h.per_array)}
         if recs.size == 0:
-            return Summary(per, 0, h.walked_at_ns)
+            return Summary(per, 0, h.walked_at_ns, ends)
         # the rows the journal names, looked up in the snapshot, then the journal applied to just those
         spans = {name: (dt, off) for name, dt, off in _column_spans(h.rows)}
         with open(fd, "rb", closefd=False) as f:
@@ -284,7 +286,7 @@ def totals(store: PageStore) -> Summary:
         (cb, bb) = before[i] if i < len(before) else (0, 0)
         (ca, ba) = after[i] if i < len(after) else (0, 0)
         per[key] = (c0 - cb + ca, b0 - bb + ba)
-    return Summary(per, int(recs.size), h.walked_at_ns)
+    return Summary(per, int(recs.size), h.walked_at_ns, ends)
 
 
 def table(store: PageStore, rows: Rows, namespaces: Optional[dict] = None) -> ChunkTable:

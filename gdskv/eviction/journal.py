@@ -69,6 +69,7 @@ class Journal:
         self._seq = 0
         self._start = time.time_ns()
         self._failed_at = float("-inf")
+        self._end = 0  # bytes in the journal file now open
 
     def name(self) -> str:
         return f"{socket.gethostname()}-{os.getpid()}-{self._start}-{self._seq}.log"
@@ -80,18 +81,22 @@ class Journal:
             self._fd, self._pid, self._start, self._seq = None, os.getpid(), time.time_ns(), 0
         self.store.fs.makedirs(JOURNAL_DIR)
         self._fd = self.store.fs.open(f"{JOURNAL_DIR}/{self.name()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
+        self._end = 0
         return self._fd
 
-    def append(self, recs: np.ndarray) -> bool:
-        """Append ``recs`` (``RECORD``) in one write; False when they could not be written."""
-        if recs.size == 0:
-            return True
+    def append(self, recs: np.ndarray) -> Optional[tuple[str, int]]:
+        """Append ``recs`` (``RECORD``) in one write: the journal's name and where they end in it
+        (a reader that read that far has them: ``Budget``'s count), or None when they could not
+        be written."""
         data = recs.tobytes()
         with self._lock:
+            if recs.size == 0:
+                return self.name(), self._end
             try:
                 fd = self._open()
                 if os.write(fd, data) == len(data):
-                    return True
+                    self._end += len(data)
+                    return self.name(), self._end
                 raise OSError("short write to the chunk index journal")
             except OSError as e:
                 self._close_locked()
@@ -100,7 +105,7 @@ class Journal:
                 if now - self._failed_at > 60.0:
                     self._failed_at = now
                     log.warning("gdskv: could not journal %d chunk records in %s: %s", recs.size, self.store.root, e)
-                return False
+                return None
 
     def _close_locked(self) -> None:
         if self._fd is not None and self._pid == os.getpid():
