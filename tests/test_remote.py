@@ -216,6 +216,27 @@ def test_a_corrupt_object_is_a_counted_miss_and_the_prefix_stops_there(tmp_path,
     b.close()
 
 
+def test_an_object_larger_than_a_chunk_is_refused_before_its_body_is_read(tmp_path, endpoint, prefix):
+    """An object where a chunk belongs that is larger than a chunk is refused on the size its
+    response declares, before its body is read: the client allocated the declared size up
+    front, and an object of terabytes aborted the serving process."""
+    a = service(str(tmp_path / "a"), endpoint.url, prefix, upload="through")
+    save_all(a)
+    a.close()
+    big = f"{prefix}/{chunk_key(a.namespace, 0, KEYS[3])}"
+    endpoint.s3.put_object(Bucket=BUCKET, Key=big, Body=os.urandom(4 << 20))
+    client = ObjectClient(RemoteConfig(**remote_table(endpoint.url, prefix)))
+    try:
+        reply = client.get(chunk_key(a.namespace, 0, KEYS[3]), timeout=10, max_bytes=PAGE + fmt.TRAILER_BYTES)
+        assert reply.outcome is Outcome.REFUSED and reply.data is None and "4194304 bytes" in reply.detail
+    finally:
+        client.close()
+    b = service(str(tmp_path / "b"), endpoint.url, prefix, transfers=False)
+    assert b.lookup(TOKENS, None).num_new_tokens == 3 * TPB  # served up to the oversized one
+    assert b.remote.counters["remote_refused"] == 1 and not b.namespace.contains(0, KEYS[3])
+    b.close()
+
+
 # --- a remote that is gone or silent ------------------------------------------------------------------
 
 def test_an_unreachable_endpoint_degrades_to_local_only_with_a_warning(tmp_path, caplog):

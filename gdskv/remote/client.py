@@ -158,12 +158,19 @@ class ObjectClient:
             return await make()
 
     # -- requests --------------------------------------------------------------------------------
-    async def get_async(self, key: str) -> Reply:
-        """GET ``key`` on the client's loop; every failure an outcome (``_classify``)."""
+    async def get_async(self, key: str, max_bytes: Optional[int] = None) -> Reply:
+        """GET ``key`` on the client's loop; every failure an outcome (``_classify``). An object
+        of more than ``max_bytes`` (its size as the response's headers give it) is ``REFUSED``
+        before its body is read: a hostile or mistaken object of terabytes where a chunk
+        belongs must not take the serving process's memory (the client allocated the declared
+        size up front, and a failed allocation aborted the process)."""
         import obstore
 
         try:
             got = await obstore.get_async(self.store, key)
+            size = int(got.meta["size"])
+            if max_bytes is not None and size > max_bytes:
+                return Reply(Outcome.REFUSED, detail=f"{key}: {size} bytes, more than the {max_bytes} it may hold")
             return Reply(Outcome.OK, await got.bytes_async())
         except BaseException as e:  # noqa: BLE001 - every failure is an outcome, never an exception
             if isinstance(e, asyncio.CancelledError):
@@ -184,14 +191,15 @@ class ObjectClient:
             return _classify(e, writing=True)
 
     def get_many(self, keys: Sequence[str], timeout: float, then: Optional[Callable[[int, Reply], Any]] = None,
-                 in_order: bool = False) -> list[Any]:
+                 in_order: bool = False, max_bytes: Optional[int] = None) -> list[Any]:
         """GET every key (``concurrency`` in flight, started in the order given); what has not
         answered within ``timeout`` seconds is ``UNREACHABLE`` ("timed out"). With ``then``,
         each reply is handed to ``then(index, reply)`` on a worker thread as soon as it arrives
         (so verifying and publishing one object overlaps the transfer of the others), and the
         list holds what ``then`` returned, or the timed-out reply where it had not returned by
         the deadline. ``in_order``: once ``then`` returns something false for a key, keys after
-        it whose request has not started are not asked (their entry is None)."""
+        it whose request has not started are not asked (their entry is None). ``max_bytes``:
+        as ``get_async``'s, for every key."""
         if not keys:
             return []
         loop = self._loop
@@ -200,7 +208,7 @@ class ObjectClient:
         async def ask(i: int, key: str) -> Optional[Reply]:
             if i > first_false[0]:
                 return None
-            return await self.get_async(key)
+            return await self.get_async(key, max_bytes)
 
         async def one(i: int, key: str) -> Any:
             reply = await self._bounded(lambda: ask(i, key))
@@ -225,8 +233,9 @@ class ObjectClient:
         """Create ``key`` unless it exists (``If-None-Match: *``): ``OK`` or ``EXISTS``."""
         return self._wait(self._bounded(lambda: self.put_async(key, data)), timeout)
 
-    def get(self, key: str, timeout: Optional[float] = None) -> Reply:
-        return self._wait(self._bounded(lambda: self.get_async(key)), timeout)
+    def get(self, key: str, timeout: Optional[float] = None, max_bytes: Optional[int] = None) -> Reply:
+        """GET one object (``get_async``), waiting at most ``timeout`` seconds."""
+        return self._wait(self._bounded(lambda: self.get_async(key, max_bytes)), timeout)
 
     def _wait(self, coro: Coroutine[Any, Any, Reply], timeout: Optional[float]) -> Reply:
         async def run() -> Reply:
