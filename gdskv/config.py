@@ -129,7 +129,8 @@ def _endpoint_ok(endpoint: Any) -> bool:
         port = parts.port
     except ValueError:
         return False
-    return bool(parts.hostname) and (port is None or port >= 1)
+    # credentials in the URL (user:secret@host) would be logged with it; they go in the environment
+    return bool(parts.hostname) and (port is None or port >= 1) and "@" not in parts.netloc
 
 
 _CREDENTIAL_WORDS = ("key", "secret", "token", "password", "credential")
@@ -187,8 +188,9 @@ class RemoteConfig:
                 or ".." in self.bucket or re.fullmatch(r"[0-9.]+", self.bucket)):
             raise bad("url", f"must be s3://bucket or s3://bucket/prefix (a valid bucket name), got {self.url!r}")
         if self.endpoint is not None and not _endpoint_ok(self.endpoint):
-            raise bad("endpoint", f"must be an http:// or https:// URL with a host (and a port in [1, 65535]), "
-                                  f"got {self.endpoint!r}")
+            shown = re.sub(r"//[^/@]*@", "//***@", self.endpoint) if isinstance(self.endpoint, str) else self.endpoint
+            raise bad("endpoint", f"must be an http:// or https:// URL with a host (and a port in [1, 65535]) and no "
+                                  f"credentials (they go in the environment), got {shown!r}")
         if self.region is not None and (not isinstance(self.region, str) or not re.fullmatch(r"[a-z0-9\-]+", self.region)):
             raise bad("region", f"must be a region name like us-east-1, got {self.region!r}")
         if self.upload not in UPLOAD_MODES:

@@ -221,12 +221,14 @@ def test_at_most_one_auth_key_source(tmp_path):
 
 
 # --- settings a review found accepted, then failing later (or never) -------------------------------
-@pytest.mark.parametrize("endpoint", ["http://localhost:99999", "http://127.0.0.1:abc", "http://:9000", "http://h:0"])
+@pytest.mark.parametrize("endpoint", ["http://localhost:99999", "http://127.0.0.1:abc", "http://:9000", "http://h:0",
+                                      "http://KEY:SECRET@host:9000"])
 def test_a_remote_endpoint_without_a_usable_host_and_port_is_refused(endpoint):
     from gdskv.config import RemoteConfig
 
-    with pytest.raises(ConfigError, match="remote.endpoint"):
+    with pytest.raises(ConfigError, match="remote.endpoint") as e:
         RemoteConfig(url="s3://bucket", endpoint=endpoint)
+    assert "SECRET" not in str(e.value)
     assert RemoteConfig(url="s3://bucket", endpoint="http://127.0.0.1:9000").endpoint == "http://127.0.0.1:9000"
 
 

@@ -355,3 +355,24 @@ def test_upload_threads_run_niced_as_the_other_background_transfers(tmp_path, en
     save_all(svc)  # and they still upload
     assert wait_for(lambda: len(endpoint.keys(prefix)) > 0)
     svc.close()
+
+
+def test_hostile_bucket_entries_are_damaged_namespaces_and_skipped_keys(tmp_path, endpoint, prefix):
+    """A namespace document nested past the JSON parser's depth is a damaged namespace, and a
+    chunk key with a digit that is not ASCII is not a chunk: neither fails the commands that go
+    over the whole bucket (they exited 1 for every namespace)."""
+    from gdskv.remote.copy import inventory
+
+    a = service(str(tmp_path / "a"), endpoint.url, prefix, upload="through")
+    save_all(a)
+    a.close()
+    ns_id = a.namespace.id
+    endpoint.s3.put_object(Bucket=BUCKET, Key=f"{prefix}/ns/{'0' * 16}/zarr.json", Body=b"[" * 100000 + b"]" * 100000)
+    endpoint.s3.put_object(Bucket=BUCKET, Key=f"{prefix}/ns/{ns_id}/g\u00b2/c/1/0/2", Body=b"x")
+    client = ObjectClient(RemoteConfig(**remote_table(endpoint.url, prefix)))
+    try:
+        found = {n.id: n for n in inventory(client)}
+    finally:
+        client.close()
+    assert found["0" * 16].spec is None and "RecursionError" in found["0" * 16].damaged
+    assert found[ns_id].spec is not None and sum(len(v) for v in found[ns_id].chunks.values()) == 2 * len(KEYS)

@@ -130,8 +130,8 @@ def _parse_namespace(ns_id: str, reply: Reply) -> RemoteNamespace:
     try:
         doc = json.loads(bytes(reply.data))
         spec = NamespaceSpec.from_json(doc["attributes"][NAMESPACE_ATTR])
-    except (ValueError, KeyError, TypeError) as e:
-        return RemoteNamespace(ns_id, None, f"metadata: {e}")
+    except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: JSON nested past the parser
+        return RemoteNamespace(ns_id, None, f"metadata: {type(e).__name__ if isinstance(e, RecursionError) else e}")
     if spec.namespace_id != ns_id:
         return RemoteNamespace(ns_id, None, f"metadata describes namespace {spec.namespace_id}, not {ns_id}")
     return RemoteNamespace(ns_id, spec)
@@ -143,10 +143,16 @@ def inventory(client: ObjectClient, wanted: Optional[Callable[[RemoteNamespace],
     for n in found:
         for o in client.list(f"ns/{n.id}/"):
             parts = o.key.split("/")  # ns/<id>/g<gid>/c/<hi>/0/<lo>
-            if (len(parts) == 7 and parts[2][:1] == "g" and parts[2][1:].isdigit() and parts[3] == "c"
-                    and parts[4].isdigit() and parts[5] == "0" and parts[6].isdigit()):
+            if (len(parts) == 7 and parts[2][:1] == "g" and _digits(parts[2][1:]) and parts[3] == "c"
+                    and _digits(parts[4]) and parts[5] == "0" and _digits(parts[6])):
                 n.chunks.setdefault(int(parts[2][1:]), []).append(o)
     return found
+
+
+def _digits(part: str) -> bool:
+    """Whether ``part`` is a decimal number as gdskv names chunks (ASCII digits: ``"²".isdigit()``
+    is true, ``int("²")`` fails)."""
+    return part.isascii() and part.isdigit()
 
 
 def pull(store: PageStore, client: ObjectClient, auth_key: Optional[bytes],
