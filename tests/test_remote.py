@@ -191,7 +191,10 @@ def test_an_engine_that_names_blocks_itself_reads_through_in_its_lease(tmp_path,
     a.close()
     c = service(str(tmp_path / "c"), endpoint.url, prefix)  # MAX: held(..., lease=True) is its lookup
     assert c.held(0, KEYS, 0) == [False] * len(KEYS)
-    assert c.held(0, KEYS, 0, lease=True) == [True] * 5 + [False] * 5
+    # a lookup asks every leaf and shard by one deadline: one that has passed asks the remote nothing
+    assert c.held(0, KEYS, 0, lease=True, deadline=c.lookup_deadline() - 60) == [False] * len(KEYS)
+    assert c.remote.counters["remote_deadline"] == 1 and c.remote.counters["remote_hits"] == 0
+    assert c.held(0, KEYS, 0, lease=True, deadline=c.lookup_deadline()) == [True] * 5 + [False] * 5
     assert c.remote.counters["remote_hits"] == 5 and c.namespace.contains_many(1, KEYS[:1]) == [False]
     c.close()
 

@@ -8,7 +8,7 @@ every process until the load that follows.
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from gdskv.planner import Lookup, Salt, lookup_needs, plan_lookup, plan_lookup_window_aware
 
@@ -109,21 +109,29 @@ class Lookups:
                 ok = all(ns.lease_many(g, list(keys), lease_seconds=self.lease_seconds)) and ok
         return ok
 
-    def held(self, group: int, keys: Sequence[bytes], shard: int, lease: bool = False) -> list[bool]:
+    def held(self, group: int, keys: Sequence[bytes], shard: int, lease: bool = False,
+             deadline: Optional[float] = None) -> list[bool]:
         """For each key, whether TP shard ``shard``'s chunk of it (layer group ``group``) is in the
         store; with ``lease``, also leased to a load that follows (``lease_seconds``, respected by
         eviction in any process; False when the chunk was gone by then). For an engine that
         combines shards itself (``gdskv.planner.held_everywhere``): a replicated leaf is stored
         on shard 0 alone. With ``lease`` (a lookup) and a remote tier, keys missing locally are
-        read through from the remote first."""
+        read through from the remote first, by ``deadline`` (``time.monotonic()``; default: the
+        remote's ``timeout`` from now). A caller asking several groups or shards for one lookup
+        passes one deadline to all, so the lookup as a whole keeps to ``timeout``."""
         if not self.active or not keys:
             return [False] * len(keys)
         ns = self.namespaces[shard]
         if lease:
             if self.remote is not None:  # a lookup: what misses locally is read through first
-                self.remote.stored([ns], group, keys, time.monotonic() + self.remote.rc.timeout)
+                self.remote.stored([ns], group, keys, deadline or time.monotonic() + self.remote.rc.timeout)
             return ns.lease_many(group, list(keys), lease_seconds=self.lease_seconds)
         return ns.contains_many(group, keys)
+
+    def lookup_deadline(self) -> Optional[float]:
+        """When a lookup starting now must be done with the remote tier (``time.monotonic()``),
+        for callers that ask ``held`` several times in one lookup; None without a remote tier."""
+        return time.monotonic() + self.remote.rc.timeout if self.remote is not None else None
 
     def touch(self, group: int, keys: Sequence[bytes], shard: int) -> int:
         """Refresh the recency of ``keys``' chunks of shard ``shard`` (root first: give the run in

@@ -85,7 +85,8 @@ class Lookups:
         """One positional mask per leaf: which of ``keys`` every shard storing the leaf holds
         (and, with ``lease``, now holds leased)."""
         svc = self.service
-        return {leaf: held_everywhere(keys, [partial(svc.held, self.pools.gid[leaf], shard=s, lease=lease)
+        deadline = svc.lookup_deadline()  # one for the whole lookup, every leaf and shard
+        return {leaf: held_everywhere(keys, [partial(svc.held, self.pools.gid[leaf], shard=s, lease=lease, deadline=deadline)
                                              for s in self.pools.store_shards(leaf)])
                 for leaf in self.pools.leaves}
 
@@ -94,7 +95,8 @@ class Lookups:
         asked: dict[tuple[str, int], list[bytes]] = {}
         for leaf, key, shard in chunks:
             asked.setdefault((leaf, shard), []).append(key)
-        got = {(leaf, shard): iter(self.service.held(self.pools.gid[leaf], keys, shard, lease=True))
+        deadline = self.service.lookup_deadline()
+        got = {(leaf, shard): iter(self.service.held(self.pools.gid[leaf], keys, shard, lease=True, deadline=deadline))
                for (leaf, shard), keys in asked.items()}
         for leaf, key, shard in chunks:
             if not next(got[(leaf, shard)]):
