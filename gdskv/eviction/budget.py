@@ -325,7 +325,6 @@ class Budget:
         finally:
             self.counted.set()
 
-
     def refresh(self) -> Optional[catalog.Summary]:
         """Read the store's bytes from the index (a walk first when there is none, or when the
         last one is older than ``rewalk_seconds``; the index folded when its journals grew).
