@@ -225,6 +225,7 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         request aborted while its asynchronous load may still be writing its pages."""
         rid = int(request.request_id)
         self._async_plans = [p for p in self._async_plans if p.request_id != rid]
+        self._peers.finished(rid)  # it computes nothing more: a taint of it has nothing left to stop
         tracked = self._requests.pop(rid)
         if tracked is None:
             return False
