@@ -49,7 +49,7 @@ def check_chunk(ns: Namespace, group: int, path: str, auth_key: Optional[bytes] 
     try:
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size > ns.spec.group(group).bytes_per_page + fmt.TRAILER_BYTES:
+            if size > ns.chunk_nbytes(group):
                 return "bad-size"  # not read: a sparse terabyte must not take the memory of the run
             buf = bytearray(size)  # writable, so the CRC32C below reads it in place
             if size < fmt.TRAILER_BYTES or f.readinto(buf) < size:  # a buffered readinto fills or hits EOF

@@ -233,7 +233,8 @@ class Summary:
     journal_records: int
     walked_at_ns: int
     journal_ends: dict[str, int] = field(default_factory=dict)
-    """How far each journal was read: ``Budget`` tells from it whether other processes write."""
+    """How far each journal was read: ``Budget`` adds a chunk published while it counted only
+    where the count did not read its record."""
 
     @property
     def chunks(self) -> int:

@@ -26,7 +26,7 @@ from gdskv import format as fmt
 from gdskv.config import RemoteConfig
 from gdskv.keys import chain_keys
 from gdskv.remote.client import ObjectClient, ObjectInfo, Outcome, Reply
-from gdskv.remote.objects import METADATA_MAX_BYTES, chunk_bytes, chunk_key, publish, verify
+from gdskv.remote.objects import METADATA_MAX_BYTES, chunk_key, publish, verify
 from gdskv.remote.upload import Uploader
 from gdskv.store import NAMESPACE_ATTR, NAMESPACE_ID, Namespace, NamespaceSpec, PageStore
 
@@ -181,7 +181,7 @@ def pull(store: PageStore, client: ObjectClient, auth_key: Optional[bytes],
             coming = _among(ns, group, todo)
             for start in range(0, len(todo), GET_BATCH):
                 batch = todo[start:start + GET_BATCH]
-                took = client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=chunk_bytes(ns.spec, group),
+                took = client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=ns.chunk_nbytes(group),
                                        then=lambda i, r: _take_pulled(ns, group, batch[i], r, auth_key, coming))
                 for outcome in took:
                     report.add(ns, outcome.outcome.value if isinstance(outcome, Reply) else outcome)
@@ -243,7 +243,7 @@ def verify_remote(client: ObjectClient, auth_key: Optional[bytes],
             keys = [o.key for o in objs]
             for start in range(0, len(keys), GET_BATCH):
                 batch = keys[start:start + GET_BATCH]
-                took = client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=chunk_bytes(n.spec, group),
+                took = client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=ns.chunk_nbytes(group),
                                        then=lambda i, r: r.outcome.value if r.outcome is not Outcome.OK
                                        else check_object(ns, group, batch[i], r.data, auth_key)[0])
                 for rel, why in zip(batch, took):

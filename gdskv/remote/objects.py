@@ -43,12 +43,6 @@ METADATA_MAX_BYTES = 1 << 20
 """The largest namespace document (``zarr.json``) fetched: they are a few KiB."""
 
 
-def chunk_bytes(spec: Any, group: int) -> int:
-    """The size of a chunk of layer group ``group`` of a namespace of ``spec``: the most a GET
-    of one may bring (``ObjectClient.get_many``'s ``max_bytes``)."""
-    return spec.group(group).bytes_per_page + fmt.TRAILER_BYTES
-
-
 def verify(ns: Namespace, group: int, key: bytes, data: Any, auth_key: Optional[bytes]) -> Optional[str]:
     """None when ``data`` (any buffer) is exactly ``key``'s chunk in layer group ``group`` of
     ``ns``; else why not."""

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from gdskv.config import RemoteConfig
 from gdskv.remote.client import ObjectClient, Outcome, Reply
-from gdskv.remote.objects import chunk_bytes, chunk_key, publish, verify
+from gdskv.remote.objects import chunk_key, publish, verify
 from gdskv.remote.upload import Uploader
 from gdskv.store import Counters, Namespace
 from gdskv.transfer import SaveStatus
@@ -109,7 +109,7 @@ class RemoteTier:
             end = next((i for i, k in enumerate(keys) if self._negative.get((ns.id, group, k), 0.0) > now), len(keys))
         ask = list(keys[:end])
         coming = set(ask).__contains__  # a parent among them may land after its child
-        took = self.client.get_many([chunk_key(ns, group, k) for k in ask], left, max_bytes=chunk_bytes(ns.spec, group),
+        took = self.client.get_many([chunk_key(ns, group, k) for k in ask], left, max_bytes=ns.chunk_nbytes(group),
                                     then=lambda i, r: self._settle(ns, group, ask[i], r, coming), in_order=True)
         for t in took:
             if isinstance(t, Reply):  # not settled by the deadline

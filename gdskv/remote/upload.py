@@ -30,7 +30,7 @@ from gdskv import format as fmt
 from gdskv.config import RemoteConfig
 from gdskv.priority import lower_this_thread
 from gdskv.remote.client import ObjectClient, Outcome, RemoteUnavailable
-from gdskv.remote.objects import chunk_bytes, chunk_key, metadata_keys, read_local, verify
+from gdskv.remote.objects import chunk_key, metadata_keys, read_local, verify
 from gdskv.store import Namespace
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Uploader:
             self._missed = True
             return Outcome.UNREACHABLE
         try:
-            data = read_local(ns.store, rel, chunk_bytes(ns.spec, group))
+            data = read_local(ns.store, rel, ns.chunk_nbytes(group))
             if key is None:
                 key = fmt.unpack(data[-fmt.TRAILER_BYTES:]).block_key
         except (OSError, fmt.ChunkFormatError, ValueError):
