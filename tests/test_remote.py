@@ -379,3 +379,22 @@ def test_hostile_bucket_entries_are_damaged_namespaces_and_skipped_keys(tmp_path
         client.close()
     assert found["0" * 16].spec is None and "RecursionError" in found["0" * 16].damaged
     assert found[ns_id].spec is not None and sum(len(v) for v in found[ns_id].chunks.values()) == 2 * len(KEYS)
+
+
+def test_verify_remote_reports_objects_of_a_layer_group_the_namespace_lacks(tmp_path, endpoint, prefix):
+    """An object under ``g7`` of a namespace with groups 0 and 1 is a bad object of its own kind,
+    reported; it ended the whole check with a KeyError."""
+    from gdskv.remote.copy import verify_remote
+
+    a = service(str(tmp_path / "a"), endpoint.url, prefix, upload="through")
+    save_all(a)
+    a.close()
+    endpoint.s3.put_object(Bucket=BUCKET, Key=f"{prefix}/ns/{a.namespace.id}/g7/c/1/0/2", Body=b"x")
+    client = ObjectClient(RemoteConfig(**remote_table(endpoint.url, prefix)))
+    try:
+        rep = verify_remote(client, None)
+    finally:
+        client.close()
+    assert rep["ok"] == 2 * len(KEYS) and rep["reasons"] == {"unknown-group": 1}
+    assert rep["bad_objects"] == [{"namespace": a.namespace.id, "group": 7, "key": f"ns/{a.namespace.id}/g7/c/1/0/2",
+                                   "reason": "unknown-group"}]

@@ -239,8 +239,13 @@ def verify_remote(client: ObjectClient, auth_key: Optional[bytes],
             bad.append({"namespace": n.id, "reason": f"damaged namespace: {n.damaged}"})
             continue
         ns = _Detached(n.spec)
+        groups = {g.layer_group_id for g in n.spec.groups}
         for group, objs in sorted(n.chunks.items()):
             keys = [o.key for o in objs]
+            if group not in groups:  # named like a chunk of a layer group the namespace does not have
+                counts["unknown-group"] += len(keys)
+                bad += [{"namespace": n.id, "group": group, "key": rel, "reason": "unknown-group"} for rel in keys]
+                continue
             for start in range(0, len(keys), GET_BATCH):
                 batch = keys[start:start + GET_BATCH]
                 took = client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=ns.chunk_nbytes(group),
