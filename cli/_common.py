@@ -48,9 +48,13 @@ def open_existing(ctx: click.Context) -> tuple[GdsKvConfig, PageStore]:
     except StoreUnreadable as e:
         raise click.ClickException(str(e)) from None
     except (StoreError, OSError) as e:
-        why = str(e) if root.exists() else f"{root} is not a gdskv store (it does not exist)"
-        why = why if "refusing" in why else f"{why}; refusing to touch it"
-        raise UsageProblem(f"{why}. {STORE_HINT}") from None
+        raise store_refused(str(e) if root.exists() else f"{root} is not a gdskv store (it does not exist)") from None
+
+
+def store_refused(why: str) -> UsageProblem:
+    """The usage problem of a store path the command will not use: ``why``, saying it is not
+    touched (unless the store's own message says so already), and how to name another."""
+    return UsageProblem(f"{why if 'refusing' in why else f'{why}; refusing to touch it'}. {STORE_HINT}")
 
 
 def auth_key_of(cfg: GdsKvConfig) -> Optional[bytes]:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import click
 
-from gdskv.cli._common import STORE_HINT, UsageProblem, auth_key_of, config_of, print_json
+from gdskv.cli._common import auth_key_of, config_of, print_json, store_refused
 from gdskv.cli._remote import namespace_filter, prompt_blocks_of, prompt_options, remote_client
 from gdskv.cli.output import console
 from gdskv.eviction import install_budget
@@ -39,8 +39,7 @@ def pull(ctx: click.Context, namespace: Optional[str], prompts: tuple[str, ...],
         try:
             store = PageStore.from_config(cfg)  # like prewarm, pull may make the store
         except (StoreError, OSError) as e:
-            why = str(e) if "refusing" in str(e) else f"{e}; refusing to touch it"
-            raise UsageProblem(f"{why}. {STORE_HINT}") from None
+            raise store_refused(str(e)) from None
         install_budget(store, cfg)  # pulled chunks are admitted, and room made, as a server's saves are
         rep = pull_namespaces(store, client, auth_key_of(cfg), namespace_filter(namespace), blocks_of)
     except RemoteUnavailable as e:
