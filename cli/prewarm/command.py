@@ -19,7 +19,7 @@ from rich.table import Table
 from gdskv.cli._common import STORE_HINT, UsageProblem, capacity_limits, config_of, human_bytes, print_json
 from gdskv.cli._remote import remote_client
 from gdskv.cli.output import console
-from gdskv.cli.prewarm.engines import MaxRunner, TrtllmRunner, VllmRunner
+from gdskv.cli.prewarm.engines import ENGINE_MODULES, MaxRunner, TrtllmRunner, VllmRunner, missing_engine
 from gdskv.cli.prewarm.prompts import read_prompts
 from gdskv.cli.prewarm.reference import ReferenceRunner
 from gdskv.cli.prewarm.runners import Runner
@@ -114,9 +114,6 @@ def parse_engine_args(engine: str, items: Sequence[str]) -> dict[str, Any]:
 
 MAX_PROMPT_TOKENS = 1 << 20
 """The longest ``--max-prompt-tokens``: the reference engine sizes its KV pool for it (256 MiB)."""
-ENGINE_MODULES = {"trtllm": "tensorrt_llm", "vllm": "vllm", "max": "max"}
-"""The module each external engine's runner imports."""
-ENGINE_NAMES = {"trtllm": "TensorRT-LLM", "vllm": "vLLM", "max": "Modular MAX"}
 
 
 def check_store(cfg: GdsKvConfig) -> None:
@@ -153,7 +150,7 @@ def _runner(engine: str, cfg: GdsKvConfig, model: Optional[str], tokenizer: Opti
         raise UsageProblem(f"--engine {engine} needs --model")
     tok = (HfTokenizer.load(tokenizer) if tokenizer else ByteTokenizer()) if engine == "reference" else None
     if engine != "reference" and importlib.util.find_spec(ENGINE_MODULES[engine]) is None:  # before the store is made
-        raise UsageProblem(f"--engine {engine} needs {ENGINE_NAMES[engine]} ({ENGINE_MODULES[engine]} does not import in this Python)")
+        raise missing_engine(engine)
     check_store(cfg)
     from gdskv.connectors.max.offline import EngineStopped
     from gdskv.connectors.trtllm import ConnectorSetupError

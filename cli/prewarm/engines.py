@@ -12,6 +12,17 @@ from gdskv.cli.prewarm.tokenizers import HfTokenizer, tokenize
 from gdskv.config import GdsKvConfig
 
 
+ENGINE_MODULES = {"trtllm": "tensorrt_llm", "vllm": "vllm", "max": "max"}
+"""The module each external engine's runner imports."""
+ENGINE_NAMES = {"trtllm": "TensorRT-LLM", "vllm": "vLLM", "max": "Modular MAX"}
+
+
+def missing_engine(engine: str) -> UsageProblem:
+    """The usage problem of ``--engine`` naming an engine this Python does not have: asked by
+    ``prewarm`` before it makes the store, and by each runner where the import still fails."""
+    return UsageProblem(f"--engine {engine} needs {ENGINE_NAMES[engine]} ({ENGINE_MODULES[engine]} does not import in this Python)")
+
+
 class TrtllmRunner(ExternalRunner):
     """TensorRT-LLM's LLM API with gdskv's connector (needs ``tensorrt_llm``)."""
 
@@ -21,7 +32,7 @@ class TrtllmRunner(ExternalRunner):
             from tensorrt_llm import LLM, SamplingParams
             from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig
         except ImportError:
-            raise UsageProblem("--engine trtllm needs TensorRT-LLM (tensorrt_llm does not import in this Python)") from None
+            raise missing_engine("trtllm") from None
         os.environ["GDSKV_STORE"] = cfg.store_path
         self.params = SamplingParams(max_tokens=1)
         self.llm = LLM(model=model, tokenizer=tokenizer, kv_cache_config=KvCacheConfig(enable_block_reuse=True),
@@ -53,7 +64,7 @@ class MaxRunner(ExternalRunner):
         try:
             from max.pipelines.lib import PipelineArgs
         except ImportError:
-            raise UsageProblem("--engine max needs Modular MAX (max does not import in this Python)") from None
+            raise missing_engine("max") from None
         from gdskv.connectors.max import ENV_HOOK, ENV_MODEL, install
         from gdskv.connectors.max.offline import OfflineLlm
 
@@ -99,7 +110,7 @@ class VllmRunner(ExternalRunner):
             from vllm import LLM, SamplingParams
             from vllm.config import KVTransferConfig
         except ImportError:
-            raise UsageProblem("--engine vllm needs vLLM (vllm does not import in this Python)") from None
+            raise missing_engine("vllm") from None
         self.params = SamplingParams(max_tokens=1)
         self.llm = LLM(model=model, tokenizer=tokenizer, kv_transfer_config=KVTransferConfig(
             kv_connector="GdsKvConnector", kv_connector_module_path="gdskv.connectors.vllm", kv_role="kv_both",
