@@ -46,7 +46,7 @@ def default_store_path() -> str:
     return os.path.join(base, "gdskv", "store")
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([KMGTP])(?:i?B)?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 
 
@@ -66,7 +66,7 @@ def parse_size(text: str | int) -> int:
     m = _SIZE_RE.match(text) if isinstance(text, str) else None
     if not m:
         raise ValueError(f"not a size: {text!r} (expected e.g. 4096, 512M, 500G)")
-    value = Decimal(m.group(1)) * _UNITS[m.group(2).upper()]
+    value = Decimal(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
     if value != value.to_integral_value():
         raise ValueError(f"not a whole number of bytes: {text!r}")
     return int(value)

@@ -60,8 +60,16 @@ def test_the_shipped_example_config_loads():
 def test_parse_size():
     assert parse_size("4096") == 4096 and parse_size("1.5K") == 1536 and parse_size("500G") == 500 << 30
     assert parse_size("2GiB") == 2 << 30 and parse_size(7) == 7
+    assert parse_size("1KB") == parse_size("1 kib") == 1024 and parse_size("10 B") == 10
     with pytest.raises(ValueError):
         parse_size("ten")
+
+
+@pytest.mark.parametrize("text", ["10iB", "10i", "5 iB", "1e3", "1M B", "0x10"])
+def test_parse_size_refuses_what_is_not_a_size(text):
+    """A unit of "i" alone used to be read as bytes ("10iB" as 10 bytes, where 10 KiB was likely meant)."""
+    with pytest.raises(ValueError):
+        parse_size(text)
 
 
 # --- regressions (issue 9, defect 9): each of these slipped through, or raised a traceback ------
