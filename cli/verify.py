@@ -6,7 +6,7 @@ key recomputed from the namespace id, the group and the trailer's block key equa
 and names this file's path; the payload is as long as the trailer says and the namespace's page;
 its checksum matches (and its MAC, where the config has a chunk key: ``gdskv.checksum.check_host``).
 Entries where a chunk belongs that are not regular files, and chunks of damaged namespaces, are
-reported too. ``--repair`` moves bad chunks to the quarantine (``Namespace.quarantine``);
+reported too, and so are chunk directories that are links (never entered). ``--repair`` moves bad chunks to the quarantine (``Namespace.quarantine``);
 a chunk removed meanwhile (evicted by another process) is counted as gone, not as bad. Files in a
 chunk directory whose names are neither a chunk index nor a gdskv temp name (someone's notes, a
 backup) are not gdskv's: reported as foreign and left alone, even with ``--repair``.
@@ -103,6 +103,7 @@ def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: 
     files = [(a, e) for a, e in entries if e.lo is not None]
     foreign = [{"namespace": a.ns_id, "group": a.group, "path": e.path} for a, e in entries
                if e.lo is None and not fmt.is_temp_name(e.name)]
+    foreign += [{"namespace": a.ns_id, "group": a.group, "path": path} for a in arrays for path in store.skipped_entries(a)]
     counts: Counter[str] = Counter()
     bad: list[dict[str, object]] = []
     with Work("verify", len(files), "chunks", status_every(ctx), bar=not as_json) as work, ThreadPoolExecutor(threads) as pool:
@@ -115,9 +116,9 @@ def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: 
             item: dict[str, object] = {"namespace": array.ns_id, "group": array.group, "path": entry.path, "reason": reason}
             if repair:
                 if array.namespace is not None:
-                    dest = array.namespace.quarantine(array.group, entry.path, reason)
+                    dest = array.namespace.quarantine(array.group, entry.path, reason, announce=False)
                 else:
-                    dest = store.quarantine(array.ns_id, array.group, entry.path, reason)
+                    dest = store.quarantine(array.ns_id, array.group, entry.path, reason, announce=False)
                 item["quarantined_to"] = dest
                 if dest is None and os.path.lexists(entry.path):
                     counts["repair_failed"] += 1

@@ -143,7 +143,8 @@ def test_stats_sums_every_process_file(store: tuple[Path, Namespace]) -> None:
 
 
 # --- verify ---------------------------------------------------------------------------------------
-def test_verify_finds_and_repairs_bad_chunks(store: tuple[Path, Namespace], chains: list[list[int]]) -> None:
+def test_verify_finds_and_repairs_bad_chunks(store: tuple[Path, Namespace], chains: list[list[int]],
+                                             caplog: pytest.LogCaptureFixture) -> None:
     root, ns = store
     assert run(root, "verify").exit_code == 0
     keys = chain_keys(chains[1], TPB)
@@ -164,8 +165,10 @@ def test_verify_finds_and_repairs_bad_chunks(store: tuple[Path, Namespace], chai
     assert {(c["path"], c["reason"]) for c in rep["bad_chunks"]} == {
         (flipped, "bad-checksum"), (truncated, "truncated"), (foreign, "foreign-key")}
     assert "3 bad" in run(root, "verify").output
+    caplog.clear()
     res = run(root, "verify", "--repair", "--json")
     assert res.exit_code == 1 and all(c["quarantined_to"] for c in json.loads(res.stdout)["bad_chunks"])
+    assert not [r for r in caplog.records if "quarantine" in r.getMessage()]  # the report says it, once per chunk
     assert not os.path.exists(flipped) and len(list((root / ".gdskv" / "quarantine").rglob("*.*"))) == 3
     assert run(root, "verify").exit_code == 0
 

@@ -230,6 +230,23 @@ def test_verify_reports_a_foreign_file_in_a_chunk_directory_as_foreign_and_leave
     assert "1 foreign file left alone" in text.stdout, text.stdout
 
 
+def test_verify_reports_a_chunk_directory_linked_elsewhere_and_leaves_it(tmp_path: Path) -> None:
+    """A chunk directory replaced by a link (say, to spread chunks over another disk) is never
+    entered, and used to be skipped without a word: its chunks were simply not there."""
+    store = fill(tmp_path / "store")
+    [array] = store.arrays()
+    entry = next(e for e in store.chunk_entries(array) if e.is_chunk)
+    hi_dir = Path(entry.path).parent.parent
+    elsewhere = tmp_path / "elsewhere"
+    hi_dir.rename(elsewhere)
+    hi_dir.symlink_to(elsewhere)
+    res = cli(tmp_path / "store", "verify", "--repair", "--json")
+    assert res.exit_code == 0, res.output
+    assert [f["path"] for f in json.loads(res.stdout)["foreign"]] == [str(hi_dir)]
+    assert hi_dir.is_symlink() and Path(entry.path).name in [p.name for p in (elsewhere / "0").iterdir()]
+    assert "1 foreign file left alone" in cli(tmp_path / "store", "verify").stdout
+
+
 # --- output that is not a terminal -------------------------------------------------------------------
 def test_non_terminal_output_tables_are_full_width_not_80_columns(tmp_path: Path) -> None:
     fill(tmp_path / "store", model="organisation/a-model-name-long-enough-to-be-cut-at-eighty-columns-in-a-table")

@@ -140,10 +140,11 @@ class PageStore(Walking):
         path = f"{rel_dir}/zarr.json" if rel_dir else "zarr.json"
         self.fs.write_atomic(path, doc, f"{fmt.TMP_MARK}{os.getpid()}.{time.time_ns():x}")
 
-    def quarantine(self, ns_id: str, group: int, path: str, reason: str) -> Optional[str]:
+    def quarantine(self, ns_id: str, group: int, path: str, reason: str, announce: bool = True) -> Optional[str]:
         """Move the entry at ``path`` (a chunk, or whatever sits where a chunk belongs: a link
         moves as a link) to ``.gdskv/quarantine/<ns_id>/g<group>/``; the destination, or None
-        when it is gone or cannot be moved (logged). Never raises, never deletes."""
+        when it is gone or cannot be moved (logged unless ``announce`` is False: ``gdskv verify
+        --repair`` reports each chunk itself). Never raises, never deletes."""
         name = os.path.basename(path)
         dest = f"{PRIVATE_DIR}/quarantine/{ns_id}/g{int(group)}/{name}.{reason}.{time.time_ns()}"
         try:
@@ -152,9 +153,11 @@ class PageStore(Walking):
         except FileNotFoundError:
             return None
         except OSError as e:
-            log.warning("gdskv: %s failed verification (%s) and could not be quarantined: %s", path, reason, e)
+            if announce:
+                log.warning("gdskv: %s failed verification (%s) and could not be quarantined: %s", path, reason, e)
             return None
-        log.warning("gdskv: quarantined chunk %s (%s) to %s", path, reason, self.fs.abspath(dest))
+        if announce:
+            log.warning("gdskv: quarantined chunk %s (%s) to %s", path, reason, self.fs.abspath(dest))
         return self.fs.abspath(dest)
 
     def flush_stats(self) -> None:

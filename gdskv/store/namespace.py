@@ -210,12 +210,13 @@ class Namespace:
         except FileNotFoundError:
             return False
 
-    def quarantine(self, group: int, path: str, reason: str) -> Optional[str]:
-        """Move a chunk that failed verification out of the hierarchy (``PageStore.quarantine``);
-        never deletes it, never raises. Where it cannot be moved (read-only store, full disk) it
-        stays, is counted (``quarantine_failed``) and is skipped by lookups until it changes.
-        Called by ``gdskv.transfer`` on a bad load and by ``gdskv verify --repair``."""
-        dest = self.store.quarantine(self.id, group, path, reason)
+    def quarantine(self, group: int, path: str, reason: str, announce: bool = True) -> Optional[str]:
+        """Move a chunk that failed verification out of the hierarchy (``PageStore.quarantine``,
+        which logs the move unless ``announce`` is False); never deletes it, never raises. Where
+        it cannot be moved (read-only store, full disk) it stays, is counted
+        (``quarantine_failed``) and is skipped by lookups until it changes. Called by
+        ``gdskv.transfer`` on a bad load and by ``gdskv verify --repair``."""
+        dest = self.store.quarantine(self.id, group, path, reason, announce)
         if dest is None:
             if self.store.fs.alive and os.path.lexists(path):
                 self.counters.add("quarantine_failed")

@@ -118,6 +118,19 @@ class Walking:
                 lo = int(e.name) if e.name.isdigit() else None
                 yield ChunkEntry(hi_n, lo, e.name, f"{self.root}/{sub}/{e.name}", e.kind, e.st)
 
+    def skipped_entries(self, array: ArrayDir) -> Iterator[str]:
+        """The paths in ``array``'s chunk hierarchy that ``chunk_entries`` skips without entering:
+        links (a chunk directory linked elsewhere) and entries not named as Zarr names them.
+        Called by ``gdskv verify``, which reports them as not gdskv's."""
+        base = f"ns/{array.ns_id}/g{array.group}/c"
+        for hi in self.fs.scandir(base):
+            if hi.kind != "dir" or not hi.name.isdigit():
+                yield f"{self.root}/{base}/{hi.name}"
+                continue
+            for e in self.fs.scandir(f"{base}/{hi.name}"):
+                if e.kind != "dir" or e.name != "0":
+                    yield f"{self.root}/{base}/{hi.name}/{e.name}"
+
     def iter_chunk_files(self, namespaces: Optional[Sequence[Namespace]] = None) -> Iterator[tuple[Namespace, int, ChunkEntry]]:
         """Every published chunk file of sound ``namespaces`` (default all): ``(namespace,
         group, entry)``. Called by tests and tools that read chunks."""
