@@ -5,9 +5,9 @@ store key says: the trailer parses and checks itself; its layer group is the arr
 key recomputed from the namespace id, the group and the trailer's block key equals the trailer's
 and names this file's path; the payload is as long as the trailer says and the namespace's page;
 its checksum matches (and its MAC, where the config has a chunk key: ``gdskv.checksum.check_host``).
-Entries where a chunk belongs that are not regular files, and chunks of damaged namespaces, are
-reported too, and so are chunk directories that are links (never entered). ``--repair`` moves bad chunks to the quarantine (``Namespace.quarantine``);
-a chunk removed meanwhile (evicted by another process) is counted as gone, not as bad. Files in a
+Entries where a chunk belongs that are not regular files, chunks of damaged namespaces and chunk
+directories that are links (never entered) are reported too. ``--repair`` moves bad chunks to the
+quarantine (``Namespace.quarantine``); a chunk removed meanwhile (evicted by another process) is counted as gone, not as bad. Files in a
 chunk directory whose names are neither a chunk index nor a gdskv temp name (someone's notes, a
 backup) are not gdskv's: reported as foreign and left alone, even with ``--repair``.
 """
