@@ -7,9 +7,10 @@ and names this file's path; the payload is as long as the trailer says and the n
 its checksum matches (and its MAC, where the config has a chunk key: ``gdskv.checksum.check_host``).
 Entries where a chunk belongs that are not regular files, chunks of damaged namespaces and chunk
 directories that are links (never entered) are reported too. ``--repair`` moves bad chunks to the
-quarantine (``Namespace.quarantine``); a chunk removed meanwhile (evicted by another process) is counted as gone, not as bad. Files in a
-chunk directory whose names are neither a chunk index nor a gdskv temp name (someone's notes, a
-backup) are not gdskv's: reported as foreign and left alone, even with ``--repair``.
+quarantine (``Namespace.quarantine``); a chunk removed meanwhile (evicted by another process) is
+counted as gone, not as bad. Files in a chunk directory whose names are neither a chunk index nor a
+gdskv temp name (someone's notes, a backup) are not gdskv's: reported as foreign and left alone,
+even with ``--repair``.
 """
 from __future__ import annotations
 
