@@ -5,7 +5,8 @@ process-local registry through which a deployment's workers tell its scheduler t
 stand-in for engines without TensorRT-LLM) and refuses, naming the setting, what gdskv cannot
 serve. ``peers`` is the registry: each worker publishes the ``NamespaceSpec`` it derived from its
 layout; the scheduler, on rank 0 in the same process as rank 0's worker, takes it from there, and
-ranks share which requests' loads failed in a step (so no rank saves KV computed on them).
+ranks share which requests' loads failed in a step (so no rank saves KV computed on them): in
+this process directly, with ranks in other processes through the store (``TaintBoard``).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Any, Optional
 
 from gdskv.config import GdsKvConfig
 from gdskv.connectors.trtllm.base import TRTLLM_AVAILABLE
-from gdskv.store import NamespaceSpec
+from gdskv.store import NamespaceSpec, PageStore
+from gdskv.store.taints import TaintBoard
 
 DEFAULT_TOKENS_PER_BLOCK = 32
 """TensorRT-LLM's ``KvCacheConfig.tokens_per_block`` default, used when ``llm_args`` has none."""
@@ -137,6 +139,7 @@ class StandaloneMapping:
 class Peers:
     """What the workers of one deployment in this process share with its scheduler. Thread-safe."""
 
+    tp_size: int = 1
     specs: dict[int, NamespaceSpec] = field(default_factory=dict)
     """TP rank -> the namespace spec its worker registered."""
     tainted: dict[int, None] = field(default_factory=dict)
@@ -144,12 +147,33 @@ class Peers:
     everything they compute from then on stands on KV that is not theirs, and none of it is
     saved, until the request finishes (or an engine that recomputes it collects the failure:
     ``get_load_failures``)."""
+    board: Optional[TaintBoard] = None
+    """Where ranks in other processes learn of those (``bind``): while some rank's worker is not
+    in this process."""
+    deployment: str = ""
+    """The scheduler's deployment id, from the step's metadata (``bind``)."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def publish(self, rank: int, spec: NamespaceSpec) -> None:
         """A worker registered ``spec`` (its store is usable)."""
         with self.lock:
             self.specs[rank] = spec
+
+    def bind(self, deployment: str, store: PageStore) -> None:
+        """A worker executes a step of ``deployment`` (its scheduler's id; empty: none) on
+        ``store``: every step, a comparison once bound. While some rank's worker is not in this
+        process, failures go through the store's ``TaintBoard``, whose stale markers the first
+        binding sweeps."""
+        with self.lock:
+            if self.deployment == deployment:
+                return
+            fresh = self.board is None
+            self.deployment = deployment
+            if deployment and len(self.specs) < self.tp_size:
+                self.board = self.board or TaintBoard(store.fs)
+            board = self.board
+        if fresh and board is not None:
+            board.sweep()
 
     def leader_spec(self) -> Optional[NamespaceSpec]:
         """The spec of rank 0, the scheduler's; from the lowest registered rank (with rank 0) where
@@ -164,17 +188,28 @@ class Peers:
         """A load of ``request_id`` failed on some rank (a worker, as it finds out)."""
         with self.lock:
             self.tainted[request_id] = None
+            board, deployment = self.board, self.deployment
+        if board is not None:
+            board.mark(deployment, request_id)
 
     def tainted_now(self) -> set[int]:
         """The requests none of whose KV may be saved (a worker, before it posts saves)."""
         with self.lock:
-            return set(self.tainted)
+            out = set(self.tainted)
+            board, deployment = self.board, self.deployment
+        return out | board.marked(deployment) if board is not None else out
 
-    def finished(self, request_id: int) -> None:
+    def finished(self, request_id: int, settled: bool = True) -> None:
         """``request_id`` is finished and its saves settled (a worker's ``get_finished``), or the
-        engine recomputes it from scratch (``get_load_failures``)."""
+        engine recomputes it from scratch (``get_load_failures``). ``settled=False``: finished
+        only (the scheduler's ``request_finished``): ranks in other processes may still be
+        posting its last step's saves, so its marker stays for them; a worker's ``get_finished``
+        runs after the next forward pass, which every rank has entered, and removes it."""
         with self.lock:
             self.tainted.pop(request_id, None)
+            board, deployment = self.board, self.deployment
+        if board is not None and settled:
+            board.clear(deployment, request_id)
 
 
 _PEERS: dict[tuple[str, str, int], Peers] = {}
@@ -184,4 +219,4 @@ _PEERS_LOCK = threading.Lock()
 def peers(store_path: str, model: str, tp_size: int) -> Peers:
     """The registry entry of one deployment; taken by both halves' constructors."""
     with _PEERS_LOCK:
-        return _PEERS.setdefault((store_path, model, tp_size), Peers())
+        return _PEERS.setdefault((store_path, model, tp_size), Peers(tp_size))

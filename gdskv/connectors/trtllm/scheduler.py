@@ -18,6 +18,7 @@ from gdskv.planner import (ConnectorMetadata, RequestPlan, RequestState, StepRep
                            take_promised_loads)
 from gdskv.request_state import RequestTable
 from gdskv.service import LEASE_SECONDS, KvService, ServiceSetupError
+from gdskv.store.taints import deployment_nonce
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ class StepMetadata(ConnectorMetadata):
     ``get_finished`` reports them once every page landed."""
 
     async_loads: frozenset[int] = field(default_factory=frozenset)
+    deployment: str = ""
+    """The scheduler's id (``gdskv.store.taints``): ranks in other processes tell each other of a
+    failed load under it."""
 
 
 @dataclass
@@ -80,6 +84,7 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         self._cfg = config if config is not None else load_config()
         self._deployment = Deployment.from_llm_args(llm_args, self._cfg)
         self._peers = peers(self._cfg.store_path, self._deployment.model, self._deployment.tp_size)
+        self._nonce = deployment_nonce()
         self.service: Optional[KvService] = None
         """Built once a worker of this process has registered (its spec names the namespaces)."""
         self._requests: RequestTable[int, Tracked] = RequestTable(unscheduled_ttl_s)
@@ -183,7 +188,7 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         self._requests.expire()
         async_plans, self._async_plans = self._async_plans, []
         if not self._resolve():
-            return ConnectorMetadata(step=self._step)
+            return StepMetadata(step=self._step, deployment=self._nonce)
         self.service.flush_stats()
         plans: list[RequestPlan] = list(async_plans)
         for first, entries in ((True, scheduler_output.new_requests), (False, scheduler_output.cached_requests)):
@@ -191,7 +196,8 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
                 plan = self._plan(data, first)
                 if plan is not None and not plan.empty:
                     plans.append(plan)
-        return StepMetadata(tuple(plans), step=self._step, async_loads=frozenset(p.request_id for p in async_plans))
+        return StepMetadata(tuple(plans), step=self._step, async_loads=frozenset(p.request_id for p in async_plans),
+                            deployment=self._nonce)
 
     def _plan(self, data: Any, first: bool) -> Optional[RequestPlan]:
         """One ``RequestData`` of ``build_connector_meta`` through ``plan_step``. A first report
@@ -225,7 +231,7 @@ class GdsKvScheduler(KvCacheConnectorScheduler):
         request aborted while its asynchronous load may still be writing its pages."""
         rid = int(request.request_id)
         self._async_plans = [p for p in self._async_plans if p.request_id != rid]
-        self._peers.finished(rid)  # it computes nothing more: a taint of it has nothing left to stop
+        self._peers.finished(rid, settled=False)  # it computes nothing more: a taint of it has nothing left to stop
         tracked = self._requests.pop(rid)
         if tracked is None:
             return False

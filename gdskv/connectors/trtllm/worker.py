@@ -150,6 +150,7 @@ class GdsKvWorker(KvCacheConnectorWorker):
             return
         self._load_failures.clear()
         self._last_step = meta.step
+        self._peers.bind(getattr(meta, "deployment", ""), self.service.namespace.store)
         background = getattr(meta, "async_loads", frozenset())
         ready = None
         paced: dict[int, list[tuple[int, Any]]] = {}
@@ -271,8 +272,8 @@ class GdsKvWorker(KvCacheConnectorWorker):
 
     def _post_saves(self, gid: int, stream: Any) -> None:
         """Post group ``gid``'s saves of this step (once), skipping requests whose load failed on
-        any rank of this process, in this step or an earlier one: their KV was computed on top of
-        bytes that are not theirs (``Peers.tainted``)."""
+        any rank, in this step or an earlier one: their KV was computed on top of bytes that are
+        not theirs (``Peers.tainted_now``: this process's ranks, and others' through the store)."""
         meta = self._step_meta
         if gid in self._groups_posted or meta is None or self._transfer is None:
             return
