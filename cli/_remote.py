@@ -1,8 +1,9 @@
 """``--remote``: what ``info``, ``ls``, ``stats`` and ``verify`` show of the bucket (``[gdskv.remote]``).
 
 Each command's ``--remote`` hands over to one function here; the listings and checks themselves
-are ``gdskv.remote.copy``. Exit codes as everywhere: 0 ok, 1 something failed (bad objects, the
-remote unreachable), 2 usage (no ``[gdskv.remote]`` in the config).
+are ``gdskv.remote.copy``. Keys no client can address (``gdskv.remote.listing``) are left out and
+counted (``unaddressable``), never a failure. Exit codes as everywhere: 0 ok, 1 something failed
+(bad objects, the remote unreachable), 2 usage (no ``[gdskv.remote]`` in the config).
 """
 from __future__ import annotations
 
@@ -63,6 +64,12 @@ def prompt_blocks_of(prompts: tuple[str, ...], tokenizer: Optional[str], cache_s
     return prompt_blocks(token_lists, cache_salt)
 
 
+def skipped_keys(n: int) -> str:
+    """What ``pull``, ``push`` and the views say of the ``n`` keys their listings left out."""
+    return (f"skipped {n} key(s) no client can address (a '..', '.' or empty path segment, a control character, "
+            f"a trailing '/'; gdskv never writes such keys)")
+
+
 def run(ctx: click.Context, what: Callable[[GdsKvConfig, ObjectClient], None]) -> None:
     """Run one ``--remote`` view with a client, answering an unreachable remote with one line (exit 1)."""
     cfg, client = remote_client(ctx)
@@ -82,18 +89,20 @@ def _rows(found: list[RemoteNamespace]) -> list[dict[str, Any]]:
 
 def info(ctx: click.Context, as_json: bool) -> None:
     def show(cfg: GdsKvConfig, client: ObjectClient) -> None:
-        rows = _rows(inventory(client))
+        left_out: set[str] = set()
+        rows = _rows(inventory(client, unaddressable=left_out.add))
         rep = {"remote": cfg.remote.url, "endpoint": cfg.remote.endpoint, "upload": cfg.remote.upload,
                "timeout_s": cfg.remote.timeout, "namespaces": rows,
                "chunks": sum(g["chunks"] for r in rows for g in r["groups"].values()),
-               "bytes": sum(g["bytes"] for r in rows for g in r["groups"].values())}
+               "bytes": sum(g["bytes"] for r in rows for g in r["groups"].values()), "unaddressable": len(left_out)}
         if as_json:
             print_json(rep)
             return
         out = console()
         out.print(f"[bold]remote[/]  {rep['remote']}  (endpoint {rep['endpoint'] or 'AWS S3'}; upload {rep['upload']}; "
                   f"timeout {rep['timeout_s']} s)")
-        out.print(f"[bold]size[/]    {rep['chunks']} chunks, {human_bytes(rep['bytes'])}")
+        out.print(f"[bold]size[/]    {rep['chunks']} chunks, {human_bytes(rep['bytes'])}"
+                  + (f"; {skipped_keys(len(left_out))}" if left_out else ""))
         t = Table(title="namespaces in the bucket")
         for col in ("namespace", "model", "group", "chunks", "bytes"):
             t.add_column(col, justify="right" if col in ("group", "chunks", "bytes") else "left")
@@ -108,14 +117,15 @@ def info(ctx: click.Context, as_json: bool) -> None:
 
 def ls(ctx: click.Context, namespace: Optional[str], group: Optional[int], limit: int, as_json: bool) -> None:
     def show(cfg: GdsKvConfig, client: ObjectClient) -> None:
-        objs = [(n.id, g, o) for n in inventory(client, namespace_filter(namespace)) for g, lst in n.chunks.items()
-                for o in lst if group is None or g == group]
+        left_out: set[str] = set()
+        objs = [(n.id, g, o) for n in inventory(client, namespace_filter(namespace), left_out.add)
+                for g, lst in n.chunks.items() for o in lst if group is None or g == group]
         objs.sort(key=lambda t: -t[2].mtime)
         total = len(objs)
         rows = [{"namespace": ns_id, "group": g, "key": o.key, "bytes": o.size, "modified": o.mtime}
                 for ns_id, g, o in (objs[:limit] if limit > 0 else objs)]
         if as_json:
-            print_json({"total": total, "objects": rows})
+            print_json({"total": total, "objects": rows, "unaddressable": len(left_out)})
             return
         t = Table(title=f"{len(rows)} of {total} objects in {cfg.remote.url}, most recent first")
         for col in ("namespace", "group", "object", "size", "modified"):
@@ -124,6 +134,8 @@ def ls(ctx: click.Context, namespace: Optional[str], group: Optional[int], limit
             when = datetime.datetime.fromtimestamp(r["modified"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             t.add_row(r["namespace"], str(r["group"]), r["key"], human_bytes(r["bytes"]), when)
         console().print(t)
+        if left_out:
+            console().print(skipped_keys(len(left_out)), highlight=False)
 
     run(ctx, show)
 
@@ -137,8 +149,9 @@ def stats(ctx: click.Context, as_json: bool, summed: Callable[[Any], dict[str, A
         local_counters = {}
 
     def show(cfg: GdsKvConfig, client: ObjectClient) -> None:
-        rows = _rows(inventory(client))
-        rep = {"remote": cfg.remote.url, "namespaces": {
+        left_out: set[str] = set()
+        rows = _rows(inventory(client, unaddressable=left_out.add))
+        rep = {"remote": cfg.remote.url, "unaddressable": len(left_out), "namespaces": {
             r["id"]: {"chunks": sum(g["chunks"] for g in r["groups"].values()),
                       "bytes": sum(g["bytes"] for g in r["groups"].values()),
                       "counters": {k: v for k, v in local_counters.get(r["id"], {}).items() if "remote" in k}}
@@ -156,6 +169,8 @@ def stats(ctx: click.Context, as_json: bool, summed: Callable[[Any], dict[str, A
             out.print(t)
         if not rep["namespaces"]:
             out.print(f"no namespaces in {cfg.remote.url} yet")
+        if left_out:
+            out.print(skipped_keys(len(left_out)), highlight=False)
 
     run(ctx, show)
 
@@ -180,7 +195,8 @@ def verify(ctx: click.Context, namespace: Optional[str], as_json: bool) -> None:
             out.print(t)
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(rep["reasons"].items()))
         out.print(f"checked {rep['checked']} objects in {cfg.remote.url}: {rep['ok']} ok, {rep['bad']} bad"
-                  + (f" ({reasons})" if reasons else ""))
+                  + (f" ({reasons})" if reasons else "")
+                  + (f"; {skipped_keys(rep['unaddressable'])}" if rep["unaddressable"] else ""))
 
     run(ctx, show)
     if bad:

@@ -6,8 +6,9 @@ blocks of those prompts come down: a node warms itself for a known workload.
 Each object is verified exactly as a read-through verifies it (trailer, layer group, store and
 block key, its place in the array, size, checksum, MAC where a chunk key is configured) before it
 is published into the local store atomically; a bad object is counted and left out. Namespaces
-come from the bucket's ``zarr.json`` documents (created locally when new). Exit codes: 0 pulled,
-1 bad objects or failures, 2 usage (no ``[gdskv.remote]``).
+come from the bucket's ``zarr.json`` documents (created locally when new). Keys no client can
+address are left out of the listings and counted (``unaddressable``: not gdskv's, so no failure).
+Exit codes: 0 pulled, 1 bad objects or failures, 2 usage (no ``[gdskv.remote]``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Optional
 import click
 
 from gdskv.cli._common import auth_key_of, config_of, print_json, store_refused
-from gdskv.cli._remote import namespace_filter, prompt_blocks_of, prompt_options, remote_client
+from gdskv.cli._remote import namespace_filter, prompt_blocks_of, prompt_options, remote_client, skipped_keys
 from gdskv.cli.output import console
 from gdskv.eviction import install_budget
 from gdskv.remote import RemoteUnavailable
@@ -50,10 +51,12 @@ def pull(ctx: click.Context, namespace: Optional[str], prompts: tuple[str, ...],
     counts = dict(sorted(rep.counts.items()))
     failed = sum(v for k, v in counts.items() if k not in ("pulled", "present"))
     if as_json:
-        print_json({"remote": cfg.remote.url, "store": str(store.root), "counts": counts})
+        print_json({"remote": cfg.remote.url, "store": str(store.root), "counts": counts,
+                    "unaddressable": len(rep.unaddressable)})
     else:
         console().print(f"pulled {counts.get('pulled', 0)} chunk(s) from {cfg.remote.url} into {store.root}; "
                         f"{counts.get('present', 0)} already here"
-                        + "".join(f", {v} {k}" for k, v in counts.items() if k not in ("pulled", "present")), highlight=False)
+                        + "".join(f", {v} {k}" for k, v in counts.items() if k not in ("pulled", "present"))
+                        + (f"; {skipped_keys(len(rep.unaddressable))}" if rep.unaddressable else ""), highlight=False)
     if failed:
         ctx.exit(1)

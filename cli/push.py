@@ -16,7 +16,7 @@ from typing import Optional
 import click
 
 from gdskv.cli._common import auth_key_of, open_existing, print_json, select_namespaces
-from gdskv.cli._remote import prompt_blocks_of, prompt_options, remote_client
+from gdskv.cli._remote import prompt_blocks_of, prompt_options, remote_client, skipped_keys
 from gdskv.cli.output import console
 from gdskv.remote.copy import BlocksOf
 from gdskv.remote.copy import push as push_namespaces
@@ -33,10 +33,12 @@ def push_namespaces_of(ctx: click.Context, namespaces: list, blocks_of: Optional
     c = rep.counts
     out = {"remote": cfg.remote.url, "namespaces": [ns.id for ns in namespaces], "uploaded": c["remote_uploaded"],
            "already_there": c["remote_upload_exists"], "skipped": c["remote_upload_skipped"],
-           "refused": c["remote_upload_refused"], "failed": c["remote_upload_failed"], "unreachable": rep.unreachable or None}
+           "refused": c["remote_upload_refused"], "failed": c["remote_upload_failed"], "unreachable": rep.unreachable or None,
+           "unaddressable": c["remote_unaddressable_keys"]}
     line = (f"pushed {out['uploaded']} chunk(s) of {len(namespaces)} namespace(s) to {out['remote']}; "
             f"{out['already_there']} already there, {out['skipped']} skipped (gone or unsound locally)"
             + (f", {out['refused']} refused" if out["refused"] else "")
+            + (f"; {skipped_keys(out['unaddressable'])}" if out["unaddressable"] else "")
             + (f"; remote unreachable: {rep.unreachable}" if rep.unreachable else ""))
     return out, not (rep.unreachable or out["refused"] or out["failed"]), line
 

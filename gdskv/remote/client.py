@@ -118,7 +118,8 @@ class ObjectClient:
                                    f"which this interpreter cannot import ({e}); pip install 'obstore>=0.8'") from None
 
         self.rc = rc
-        per_request = timedelta(seconds=max(1.0, request_timeout if request_timeout is not None else rc.timeout))
+        self.request_timeout = max(1.0, request_timeout if request_timeout is not None else rc.timeout)
+        per_request = timedelta(seconds=self.request_timeout)
         config: dict[str, Any] = {}
         if rc.endpoint is not None:
             config["endpoint"] = rc.endpoint
@@ -246,19 +247,13 @@ class ObjectClient:
 
         return self.submit(run()).result()
 
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Every object under ``prefix`` (relative to the configured prefix). Raises
-        ``RemoteUnavailable`` when the listing fails."""
-        import obstore
+    def list(self, prefix: str = "", unaddressable: Optional[Callable[[str], None]] = None) -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` (relative to the configured prefix; "" or ending in "/"),
+        past any key obstore cannot name (``gdskv.remote.listing``: each such key is left out and
+        handed to ``unaddressable``). Raises ``RemoteUnavailable`` when the listing fails."""
+        from gdskv.remote.listing import list_objects
 
-        try:
-            for batch in obstore.list(self.store, prefix or None, chunk_size=1000):
-                for meta in batch:
-                    yield ObjectInfo(str(meta["path"]), int(meta["size"]), meta["last_modified"].timestamp())
-        except Exception as e:  # noqa: BLE001
-            reply = _classify(e)
-            raise RemoteUnavailable(f"listing s3://{self.rc.bucket}/{self.rc.prefix}: {reply.outcome.value}: {reply.detail}",
-                                    reply.outcome) from None
+        return list_objects(self, prefix, unaddressable)
 
     def close(self) -> None:
         """Stop the loop thread (requests still in flight are abandoned). Idempotent."""

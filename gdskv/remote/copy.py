@@ -11,6 +11,10 @@
   counts and bytes per layer group, and a check of every remote chunk — ``gdskv info|ls|stats|verify
   --remote``.
 
+Keys no client can address (``gdskv.remote.listing``: a ``..`` or empty segment, ...) are left
+out of every listing and reported: the keys themselves to ``unaddressable``, a count to the
+commands.
+
 Called by the CLI only; everything goes through ``ObjectClient`` (no other S3 code).
 """
 from __future__ import annotations
@@ -53,6 +57,8 @@ class CopyReport:
     counts: Counter = field(default_factory=Counter)
     unreachable: str = ""
     """Why the remote could not be used (unreachable, or it refused to list), when so."""
+    unaddressable: set[str] = field(default_factory=set)
+    """The keys a pull's listings left out (``gdskv.remote.listing.addressable``)."""
 
     def add(self, ns: Optional[Namespace], name: str, n: int = 1) -> None:
         """Count ``n`` of outcome ``name``; the ``Uploader``'s count callback too (which names the
@@ -112,10 +118,14 @@ class RemoteNamespace:
     """Chunk objects per layer group (filled by ``inventory``)."""
 
 
-def namespaces(client: ObjectClient) -> list[RemoteNamespace]:
+Unaddressable = Optional[Callable[[str], None]]
+"""Called with each key a listing leaves out (``ObjectClient.list``)."""
+
+
+def namespaces(client: ObjectClient, unaddressable: Unaddressable = None) -> list[RemoteNamespace]:
     """Every namespace whose group document the bucket holds (``ns/<id>/zarr.json``)."""
     out = []
-    for o in client.list("ns/"):
+    for o in client.list("ns/", unaddressable):
         parts = o.key.split("/")
         if len(parts) != 3 or parts[2] != "zarr.json" or not NAMESPACE_ID.match(parts[1]):
             continue
@@ -137,11 +147,13 @@ def _parse_namespace(ns_id: str, reply: Reply) -> RemoteNamespace:
     return RemoteNamespace(ns_id, spec)
 
 
-def inventory(client: ObjectClient, wanted: Optional[Callable[[RemoteNamespace], bool]] = None) -> list[RemoteNamespace]:
-    """The bucket's namespaces with their chunk objects per layer group."""
-    found = [n for n in namespaces(client) if wanted is None or wanted(n)]
+def inventory(client: ObjectClient, wanted: Optional[Callable[[RemoteNamespace], bool]] = None,
+              unaddressable: Unaddressable = None) -> list[RemoteNamespace]:
+    """The bucket's namespaces with their chunk objects per layer group. A key left out is
+    handed to ``unaddressable`` once per listing that meets it (a set collects each once)."""
+    found = [n for n in namespaces(client, unaddressable) if wanted is None or wanted(n)]
     for n in found:
-        for o in client.list(f"ns/{n.id}/"):
+        for o in client.list(f"ns/{n.id}/", unaddressable):
             parts = o.key.split("/")  # ns/<id>/g<gid>/c/<hi>/0/<lo>
             if (len(parts) == 7 and parts[2][:1] == "g" and _digits(parts[2][1:]) and parts[3] == "c"
                     and _digits(parts[4]) and parts[5] == "0" and _digits(parts[6])):
@@ -160,7 +172,9 @@ def pull(store: PageStore, client: ObjectClient, auth_key: Optional[bytes],
     """Fetch, verify and publish locally every remote chunk of the chosen namespaces (of
     ``blocks_of``'s blocks only, when given) that the local store lacks."""
     report = CopyReport()
-    found = inventory(client, wanted) if blocks_of is None else [n for n in namespaces(client) if wanted is None or wanted(n)]
+    skip = report.unaddressable.add
+    found = inventory(client, wanted, skip) if blocks_of is None else \
+        [n for n in namespaces(client, skip) if wanted is None or wanted(n)]
     for n in found:
         if n.spec is None:
             report.add(None, "damaged_namespaces")
@@ -230,10 +244,12 @@ def _take_pulled(ns: Namespace, group: int, rel: str, r: Reply, auth_key: Option
 
 def verify_remote(client: ObjectClient, auth_key: Optional[bytes],
                   wanted: Optional[Callable[[RemoteNamespace], bool]] = None) -> dict[str, Any]:
-    """GET and check every chunk object of the chosen namespaces; counts per reason and the bad ones."""
+    """GET and check every chunk object of the chosen namespaces; counts per reason, the bad
+    ones, and the keys the listings left out (``unaddressable_keys``: not checked, not bad)."""
     counts: Counter = Counter()
     bad: list[dict[str, Any]] = []
-    for n in inventory(client, wanted):
+    unaddressable: set[str] = set()
+    for n in inventory(client, wanted, unaddressable.add):
         if n.spec is None:
             counts["damaged-namespace"] += sum(len(v) for v in n.chunks.values())
             bad.append({"namespace": n.id, "reason": f"damaged namespace: {n.damaged}"})
@@ -257,7 +273,8 @@ def verify_remote(client: ObjectClient, auth_key: Optional[bytes],
                     if why is not None:
                         bad.append({"namespace": n.id, "group": group, "key": rel, "reason": why})
     return {"checked": sum(counts.values()), "ok": counts["ok"], "bad": len(bad),
-            "reasons": {k: v for k, v in counts.items() if k != "ok"}, "bad_objects": bad}
+            "reasons": {k: v for k, v in counts.items() if k != "ok"}, "bad_objects": bad,
+            "unaddressable": len(unaddressable), "unaddressable_keys": sorted(unaddressable)}
 
 
 class _Detached(Namespace):

@@ -200,13 +200,14 @@ class Uploader:
 
     # -- leftovers ---------------------------------------------------------------------------------
     def sync(self, namespaces: Sequence[Namespace], threads: int = 1) -> int:
-        """Upload every local chunk of ``namespaces`` the remote lacks (``threads`` at a time);
-        how many went up."""
+        """Upload every local chunk of ``namespaces`` the remote lacks (``threads`` at a time); how
+        many went up. Keys the listing leaves out are counted (``remote_unaddressable_keys``), logged."""
         sent = 0
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gdskv-upload-sync") as pool:
             for ns in namespaces:
+                unaddressable: list[str] = []
                 try:
-                    there = {o.key for o in self.client.list(f"ns/{ns.id}/")}
+                    there = {o.key for o in self.client.list(f"ns/{ns.id}/", unaddressable.append)}
                 except RemoteUnavailable as e:
                     if e.outcome is Outcome.UNREACHABLE:
                         self._missed = True
@@ -215,6 +216,10 @@ class Uploader:
                         self.listing_refused = str(e)
                         log.warning("gdskv: %s; local chunks not uploaded", e)
                     return sent
+                if unaddressable:
+                    self._count(ns, "remote_unaddressable_keys", len(unaddressable))
+                    log.warning("gdskv: %s/ns/%s/: left out %d key(s) no client can address, such as %r",
+                                self.rc.url, ns.id, len(unaddressable), unaddressable[0])
                 todo = [(array.group, f"ns/{ns.id}/g{array.group}/c/{e.hi}/0/{e.name}")
                         for array in ns.store.arrays([ns]) for e in ns.store.chunk_entries(array, with_stat=False)
                         if e.is_chunk]
@@ -266,9 +271,6 @@ class Uploader:
                 log.exception("gdskv: upload failed unexpectedly: %s", e)
             finally:
                 self._queue.task_done()
-
-    def pending(self) -> int:
-        return self._queue.unfinished_tasks
 
     def close(self) -> None:
         """Wait up to ``drain`` seconds for queued uploads, then stop (the rest stay local and go
