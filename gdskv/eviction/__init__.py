@@ -23,15 +23,18 @@ Modules, each usable on its own (``gdskv.eviction`` re-exports their names, so
 - **Removal** (``removal.py``) — ``remove_chunks``: every file operation goes through ``store.fs`` (confined to the
   store's root). A chunk is renamed to a doomed temp name first, then removed only if no lease
   landed on it before the rename (a lease after it fails, so the lookup promises nothing).
-- **Catalog** (``catalog.py``, ``journal.py``) — the chunk index: a snapshot of every chunk
-  (array, chunk index, parent, size, mtime) under ``<root>/.gdskv/index/`` plus per-process
-  append-only journals of what was published, used and removed since. ``totals`` counts a store
-  of any size in milliseconds, ``read`` gives the rows the policy ranks; ``rebuild_catalog``
-  (``index.py``) remakes it from a walk. The chunk files stay the truth: removal re-checks each
-  file (lease, mtime), and a walk heals whatever a crash kept out of the journals.
+- **Catalog** (``catalog.py``, ``journal.py``, ``intents.py``) — the chunk index: a snapshot of
+  every chunk (array, chunk index, parent, size, mtime) under ``<root>/.gdskv/index/`` plus
+  per-process append-only journals of what was published, used and removed since. ``totals``
+  counts a store of any size in milliseconds, ``read`` gives the rows the policy ranks;
+  ``rebuild_catalog`` (``index.py``) remakes it from a walk. The chunk files stay the truth:
+  removal re-checks each file (lease, mtime), and a walk heals whatever a crash kept out of the
+  journals. A save journals its intent before its rename, so the chunks of a process killed
+  between a rename and its record are looked at (one ``lstat`` each) by the next count of any
+  process, not left for the walk.
 - **Budget** (``budget.py``) — ``Budget`` implements the hook ``PageTransfer`` calls on ``store.budget``
-  (``admit`` / ``on_published`` / ``pin`` / ``unpin``); ``install_budget(store, cfg)`` sets it at
-  bring-up when the config has a byte budget or a free-space floor.
+  (``admit`` / ``on_publishing`` / ``on_published`` / ``pin`` / ``unpin``); ``install_budget(store, cfg)``
+  sets it at bring-up when the config has a byte budget or a free-space floor.
 
 Recency is the chunk file's mtime: loads (``PageTransfer``) and lookups (``Namespace.touch_many``)
 refresh it, so it survives restarts and is shared by every process on the store. Callers: the

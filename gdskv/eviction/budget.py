@@ -1,8 +1,8 @@
 """Eviction budget: the capacity hook ``PageTransfer`` calls on ``store.budget``.
 
-``Budget`` implements ``admit`` / ``on_published`` / ``pin`` / ``unpin`` (and ``on_touched`` for
-lookups); ``install_budget(store, cfg)`` sets it at bring-up when the config has a byte budget or
-a free-space floor. It counts and evicts from the chunk index (``gdskv.eviction.catalog``).
+``Budget`` implements the hook (``admit``, ``on_publishing``, ``on_published``, ``pin``, ``unpin``,
+``on_touched``); ``install_budget(store, cfg)`` sets it at bring-up when the config has a byte budget
+or a free-space floor. It counts and evicts from the chunk index (``gdskv.eviction.catalog``).
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import numpy as np
 
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import catalog
-from gdskv.eviction.index import chunk_indexes, rebuild_catalog
-from gdskv.eviction.journal import PUBLISH, TOUCH, journal_of, records
-from gdskv.eviction.policy import NO_PARENT, Limits, _norm, select_victims, shortfall
+from gdskv.eviction.index import chunk_indexes, chunk_records, rebuild_catalog
+from gdskv.eviction.journal import INTENT, PUBLISH, TOUCH, journal_of, records
+from gdskv.eviction.policy import Limits, _norm, select_victims, shortfall
 from gdskv.eviction.removal import Removal, remove_chunks
 from gdskv.store import Namespace, PageStore
 
@@ -58,26 +58,26 @@ def _allocation_unit(path: str) -> int:
 class Budget:
     """The capacity hook ``PageTransfer`` calls through ``store.budget``.
 
-    ``admit`` before every save (after the chunk was found absent), ``on_published`` after the
-    rename, ``pin``/``unpin`` around every load; ``on_touched`` after a lookup's lease
-    (``Namespace.lease_many``). The store's chunk bytes come from the chunk index
-    (``gdskv.eviction.catalog``), never from a walk on the serving path: read on a background
-    thread at bring-up and every ``refresh_seconds`` (other processes' saves and evictions are in
-    their journals), plus what this process admitted since; read again sooner once this process
-    admitted ``headroom`` of a byte budget since (``_stale``: other processes fill the room a
-    read showed too). Until the first read lands, the
-    estimate is the file system's used bytes (never less than the store's): saves that fit even
-    so go ahead, others are dropped. When a save does not fit, the index is read whole, ranked,
-    and the victims removed (``remove_chunks``, which re-checks every file); an eviction frees
-    what the save needs plus ``headroom`` (a fraction of the budget, or of the floor when only a
-    floor is set), so one eviction serves many saves; the evicting save's own room is held from
-    the start, so saves admitted meanwhile take only what is freed beyond it. A save that does
-    not fit while another thread evicts waits at most ``max_wait_seconds`` for it, then is
-    dropped. The background thread also folds grown journals into the snapshot (``compact``)
-    and walks the store when it has no index or its last walk is older than ``rewalk_seconds``
-    (``rebuild_catalog``: what a crash kept out of the journals comes back). ``disk_usage``,
-    ``clock`` and ``block_size`` (the allocation unit the floor counts in) are injectable for
-    tests.
+    ``admit`` before every save (after the chunk was found absent), ``on_publishing`` right before
+    its write, ``on_published`` after the rename, ``pin``/``unpin`` around every load;
+    ``on_touched`` after a lookup's lease (``Namespace.lease_many``). The store's chunk bytes come
+    from the chunk index (``gdskv.eviction.catalog``), never from a walk on the serving path: read
+    on a background thread at bring-up and every ``refresh_seconds`` (other processes' saves and
+    evictions are in their journals), plus what this process admitted since; read again sooner once
+    this process admitted ``headroom`` of a byte budget since (``_stale``: other processes fill the
+    room a read showed too). Until the first read lands, the estimate is the file system's used
+    bytes (never less than the store's): saves that fit even so go ahead, others are dropped. When a
+    save does not fit, the index is read whole, ranked, and the victims removed (``remove_chunks``,
+    which re-checks every file); an eviction frees what the save needs plus ``headroom`` (a fraction
+    of the budget, or of the floor when only a floor is set), so one eviction serves many saves; the
+    evicting save's own room is held from the start, so saves admitted meanwhile take only what is
+    freed beyond it. A save that does not fit while another thread evicts waits at most
+    ``max_wait_seconds`` for it, then is dropped. The background thread also folds grown journals
+    into the snapshot (``compact``) and walks the store when it has no index or its last walk is
+    older than ``rewalk_seconds`` (``rebuild_catalog``: what a crash kept out of the journals comes
+    back; a killed save's chunks come back sooner, at the next count: ``on_publishing``).
+    ``disk_usage``, ``clock`` and ``block_size`` (the allocation unit the floor counts in) are
+    injectable for tests.
     """
 
     def __init__(self, store: PageStore, limits: Limits, headroom: float = 0.05, refresh_seconds: float = 2.0,
@@ -238,6 +238,12 @@ class Budget:
             if mtime > table.mtime_ns[row]:
                 table.mtime_ns[row] = mtime
 
+    def on_publishing(self, ns: Namespace, group: int, chunks: Sequence[tuple[bytes, Optional[bytes]]], nbytes: int) -> None:
+        """Chunks of ``nbytes`` each, ``(key, parent)``, are about to be written and renamed into
+        place: journal the intent (``gdskv.eviction.intents``). Called by ``PageTransfer`` and the
+        remote tier's read-through before they write."""
+        self.journal.append(chunk_records(INTENT, ns, group, chunks, nbytes))
+
     def on_published(self, ns: Namespace, group: int, key: bytes, parent: Optional[bytes], nbytes: int) -> None:
         """A chunk was renamed into place (``on_published_many`` for one). Called by
         ``PageTransfer._save`` and the remote tier's read-through."""
@@ -256,11 +262,8 @@ class Budget:
         found = [(key, parent, mtime) for (key, parent), mtime in zip(chunks, mtimes) if mtime is not None]
         end: Optional[tuple[str, int]] = None
         if found:  # a chunk gone again (or replaced) by now has nothing to journal
-            parents = np.full(len(found), NO_PARENT, dtype=np.uint64)
-            with_parent = [i for i, (_, parent, _) in enumerate(found) if parent is not None]
-            parents[with_parent] = chunk_indexes(ns, group, [found[i][1] for i in with_parent])
-            end = self.journal.append(records(PUBLISH, ns.id, group, chunk_indexes(ns, group, [key for key, _, _ in found]),
-                                              parents, nbytes, np.array([m for _, _, m in found], dtype=np.int64), 0, at))
+            end = self.journal.append(chunk_records(PUBLISH, ns, group, [(key, parent) for key, parent, _ in found], nbytes,
+                                                    np.array([m for _, _, m in found], dtype=np.int64), at))
         with self._state:
             for _ in chunks:
                 self._unreserve(nbytes)

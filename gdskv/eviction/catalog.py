@@ -6,10 +6,14 @@ walk of the store. The chunk files stay the truth: the index is rebuilt from the
 
 ``<root>/.gdskv/index/catalog.json``  the commit point: the data file's name and row count,
                                       the arrays, per-array counts and bytes, the journal offsets
-                                      the snapshot includes, leases still running, walk time
+                                      the snapshot includes, leases still running, walk time,
+                                      publishing intents still in flight
 ``<root>/.gdskv/index/catalog.<t>.bin``  the rows, column after column (``COLUMNS``), sorted by
                                       (array, chunk index)
 ``<root>/.gdskv/index/journal/``      per-process journals (``gdskv.eviction.journal``)
+
+Readers settle the publishing intents of writers that died (``gdskv.eviction.intents``) as they
+read the journals: a file looked at per chunk such a writer had on its way, never a walk.
 
 Writers of the snapshot (``compact``, ``rebuild``) hold ``.gdskv/index/lock`` (``flock``, never
 waited on: a process that finds it held leaves the work to its holder); readers take no lock.
@@ -32,7 +36,8 @@ from typing import Iterator, Optional
 import numpy as np
 
 from gdskv import format as fmt
-from gdskv.eviction.journal import INDEX_DIR, JOURNAL_DIR, PUBLISH, RECORD, REMOVE, TOUCH, read_journals
+from gdskv.eviction import intents
+from gdskv.eviction.journal import INDEX_DIR, JOURNAL_DIR, PUBLISH, RECORD, REMOVE, TOUCH, read_each
 from gdskv.eviction.policy import NO_PARENT, ArrayRef, ChunkTable
 from gdskv.garbage import pid_alive
 from gdskv.store import GROUP_DIR, NAMESPACE_ID, PRIVATE_DIR, PageStore
@@ -52,11 +57,13 @@ class CatalogMissing(OSError):
 @dataclass
 class Rows:
     """The index in memory: ``cols`` by ``COLUMNS`` name, sorted by (array, index); ``arrays``
-    are ``(ns_id, group)``; ``leases`` ``{(array, index): lease end ns}`` for running leases."""
+    are ``(ns_id, group)``; ``leases`` ``{(array, index): lease end ns}`` for running leases;
+    ``intents`` the publishing intents still in flight (``gdskv.eviction.intents``)."""
 
     arrays: list[tuple[str, int]]
     cols: dict[str, np.ndarray]
     leases: dict[tuple[int, int], int] = field(default_factory=dict)
+    intents: intents.Pending = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.cols["index"].size)
@@ -77,6 +84,7 @@ class Header:
     journals: dict[str, int]
     leases: list[tuple[int, int, int]]
     walked_at_ns: int
+    intents: intents.Pending
 
     @classmethod
     def read(cls, store: PageStore) -> "Header":
@@ -84,7 +92,8 @@ class Header:
             d = json.loads(store.fs.read_small(CATALOG))
             h = cls(str(d["data"]), int(d["rows"]), [(str(a), int(g)) for a, g in d["arrays"]],
                     [(int(c), int(b)) for c, b in d["per_array"]], {str(k): int(v) for k, v in d["journals"].items()},
-                    [(int(a), int(i), int(t)) for a, i, t in d["leases"]], int(d["walked_at_ns"]))
+                    [(int(a), int(i), int(t)) for a, i, t in d["leases"]], int(d["walked_at_ns"]),
+                    intents.from_json(d.get("intents")))
         except FileNotFoundError:
             raise CatalogMissing(f"no chunk index in {store.root}") from None
         except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
@@ -140,9 +149,33 @@ def read(store: PageStore) -> tuple[Rows, dict[str, int], int]:
     ok = (cols["array"] >= 0) & (cols["array"] < len(h.arrays)) & (cols["index"] < _MAX_INDEX)
     if not ok.all():  # a damaged row names nothing: drop it (a walk brings back what it hid)
         cols = {k: v[ok] for k, v in cols.items()}
-    rows = Rows(list(h.arrays), cols, {(a, i): t for a, i, t in h.leases})
-    recs, offsets = read_journals(store, h.journals)
-    return apply(rows, recs), offsets, h.walked_at_ns
+    recs, flying, offsets, _ = _journaled(store, h)
+    return apply(Rows(list(h.arrays), cols, {(a, i): t for a, i, t in h.leases}, flying), recs), offsets, h.walked_at_ns
+
+
+def _journaled(store: PageStore, h: Header) -> tuple[np.ndarray, intents.Pending, dict[str, int], int]:
+    """The records to apply on top of the snapshot ``h`` (the journals past its offsets, and what
+    settling the due intents found: ``intents.settle``), the intents still in flight, the
+    journals' new offsets and how many records were read. Called by ``read`` and ``totals``."""
+    each, offsets = read_each(store, h.journals)
+    recs, pending = intents.split(each, h.intents)
+    settled, flying = intents.settle(store, intents.unsettled(pending, recs))
+    return (np.concatenate([recs, settled]) if settled.size else recs), flying, offsets, sum(r.size for r in each.values())
+
+
+def in_flight(store: PageStore) -> tuple[intents.Pending, dict[str, int]]:
+    """The publishing intents not settled yet, and how far each journal was read for them: what a
+    walk that starts now carries into its snapshot (a save may rename its chunk after the walk
+    listed its directory, and die before it journals it). Called by ``rebuild_catalog`` before
+    it walks."""
+    try:
+        h = Header.read(store)
+        carried, offsets = h.intents, h.journals
+    except CatalogMissing:
+        carried, offsets = {}, {}
+    each, ends = read_each(store, offsets)
+    recs, pending = intents.split(each, carried)
+    return intents.unsettled(pending, recs), ends
 
 
 def _array_ids(rows: Rows, recs: np.ndarray) -> np.ndarray:
@@ -214,7 +247,7 @@ def apply(rows: Rows, recs: np.ndarray) -> Rows:
     for k in np.nonzero(t_lease > 0)[0].tolist():
         key = (int(k_arr[k]), int(k_idx[k]))
         leases[key] = max(leases.get(key, 0), int(t_lease[k]))
-    return Rows(rows.arrays, out, leases)
+    return Rows(rows.arrays, out, leases, rows.intents)
 
 
 def _per_array(rows: Rows) -> list[tuple[int, int]]:
@@ -252,10 +285,10 @@ def totals(store: PageStore) -> Summary:
     h = Header.read(store)
     fd = _open_data(store, h)
     try:
-        recs, ends = read_journals(store, h.journals)
+        recs, _, ends, unfolded = _journaled(store, h)
         per = {a: c for a, c in zip(h.arrays, h.per_array)}
         if recs.size == 0:
-            return Summary(per, 0, h.walked_at_ns, ends)
+            return Summary(per, unfolded, h.walked_at_ns, ends)
         # the rows the journal names, looked up in the snapshot, then the journal applied to just those
         spans = {name: (dt, off) for name, dt, off in _column_spans(h.rows)}
         with open(fd, "rb", closefd=False) as f:
@@ -287,7 +320,7 @@ def totals(store: PageStore) -> Summary:
         (cb, bb) = before[i] if i < len(before) else (0, 0)
         (ca, ba) = after[i] if i < len(after) else (0, 0)
         per[key] = (c0 - cb + ca, b0 - bb + ba)
-    return Summary(per, int(recs.size), h.walked_at_ns, ends)
+    return Summary(per, unfolded, h.walked_at_ns, ends)
 
 
 def table(store: PageStore, rows: Rows, namespaces: Optional[dict] = None) -> ChunkTable:
@@ -367,7 +400,8 @@ def write(store: PageStore, rows: Rows, offsets: dict[str, int], walked_at_ns: i
     store.fs.rename(tmp, f"{BASE}/{name}")
     now = time.time_ns()
     doc = {"data": name, "rows": len(rows), "arrays": [list(a) for a in rows.arrays], "per_array": [list(x) for x in _per_array(rows)],
-           "journals": offsets, "leases": [[a, i, t] for (a, i), t in rows.leases.items() if t > now], "walked_at_ns": walked_at_ns}
+           "journals": offsets, "leases": [[a, i, t] for (a, i), t in rows.leases.items() if t > now], "walked_at_ns": walked_at_ns,
+           "intents": intents.to_json(rows.intents)}
     store.fs.write_atomic(CATALOG, json.dumps(doc).encode(), f"{fmt.TMP_MARK}{os.getpid()}.{secrets.token_hex(4)}")
     _drop_unused(store, name, offsets)
 

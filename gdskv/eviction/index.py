@@ -21,7 +21,7 @@ import numpy as np
 
 from gdskv import format as fmt
 from gdskv.eviction import catalog
-from gdskv.eviction.journal import INDEX_DIR, journal_ends
+from gdskv.eviction.journal import INDEX_DIR, records
 from gdskv.eviction.policy import NO_PARENT, ArrayRef, ChunkTable
 from gdskv.keys import store_key
 from gdskv.store import PRIVATE_DIR, Namespace, PageStore
@@ -45,6 +45,17 @@ def chunk_indexes(ns: Namespace, group: int, keys: Sequence[bytes]) -> np.ndarra
         return np.zeros(0, dtype=np.uint64)
     leads = np.frombuffer(ns.store_key_run(group, keys), dtype=">u8")[::4].astype(np.uint64)
     return leads >> np.uint64(64 - fmt.HI_BITS - fmt.LO_BITS)
+
+
+def chunk_records(kind: int, ns: Namespace, group: int, chunks: Sequence[tuple[bytes, Optional[bytes]]], nbytes: int,
+                  mtime: Optional[np.ndarray] = None, at: Optional[int] = None) -> np.ndarray:
+    """Journal records of ``kind`` for chunks ``(key, parent)`` of ``nbytes`` each in one array:
+    their chunk indexes and their parents' (``NO_PARENT`` for none) from native runs. Called by
+    ``Budget`` for a step's saves (their intents, then their publishes)."""
+    parents = np.full(len(chunks), NO_PARENT, dtype=np.uint64)
+    with_parent = [i for i, (_, parent) in enumerate(chunks) if parent is not None]
+    parents[with_parent] = chunk_indexes(ns, group, [chunks[i][1] for i in with_parent])
+    return records(kind, ns.id, group, chunk_indexes(ns, group, [key for key, _ in chunks]), parents, nbytes, mtime, at=at)
 
 
 def _arrays(store: PageStore, namespaces: Optional[Sequence[Namespace | str]]) -> list[ArrayRef]:
@@ -230,14 +241,15 @@ def scan_store(
 def rebuild_catalog(store: PageStore) -> bool:
     """Walk the store and make the walk the chunk index (``gdskv.eviction.catalog``), unless
     another process is writing the index now; whether this one did. The journals' ends are taken
-    before the walk: what is journaled from then on is applied on top of it. Called by
+    before the walk: what is journaled from then on is applied on top of it; the publishing
+    intents still unsettled then are carried into it (``catalog.in_flight``). Called by
     ``Budget`` on its background thread (no index yet, or an old one) and by ``gdskv info`` when
     a store has no index."""
     with catalog.writer_lock(store) as mine:
         if not mine:
             return False
         walked_at = time.time_ns()
-        ends = journal_ends(store)
+        flying, ends = catalog.in_flight(store)
         arrays: list[tuple[str, int]] = []
         parts: list[dict[str, np.ndarray]] = []
         leases: dict[tuple[int, int], int] = {}
@@ -249,7 +261,7 @@ def rebuild_catalog(store: PageStore) -> bool:
             for i in np.nonzero(atime > walked_at)[0].tolist():
                 leases[(a, int(idx[i]))] = int(atime[i])
         cols = {name: np.concatenate([p[name] for p in parts]).astype(t) if parts else np.zeros(0, dtype=t) for name, t in catalog.COLUMNS}
-        catalog.write(store, catalog.Rows(arrays, cols, leases), ends, walked_at)
+        catalog.write(store, catalog.Rows(arrays, cols, leases, flying), ends, walked_at)
         return True
 
 

@@ -10,13 +10,21 @@ file; the next batch starts a new one, so a partial record is never followed by 
 
 Record kinds: ``PUBLISH`` (a chunk was renamed into place: its parent, size and exact mtime),
 ``TOUCH`` (a lookup set its mtime and lease), ``REMOVE`` (an evictor is about to rename it away;
-stamped *before* the rename, so a save that publishes the block again afterwards wins). ``at`` is
-the wall-clock time a record describes; the catalog (``gdskv.eviction.catalog``) applies records
-in ``at`` order on top of its snapshot. Written by ``Budget`` (``on_published``, ``on_touched``)
-and ``remove_chunks``; read by the catalog.
+stamped *before* the rename, so a save that publishes the block again afterwards wins),
+``INTENT`` (a save is about to rename the chunk into place: its parent and size; see
+``gdskv.eviction.intents``). ``at`` is the wall-clock time a record describes; the catalog
+(``gdskv.eviction.catalog``) applies records in ``at`` order on top of its snapshot. Written by
+``Budget`` (``on_publishing``, ``on_published``, ``on_touched``), ``remove_chunks`` and the
+catalog's readers (an intent they settled); read by the catalog.
+
+A writer holds an exclusive ``flock`` on the journal file it appends to for as long as it has it
+open, so a journal whose lock is free belongs to a process that died (or gave the file up after a
+failed write): what it announced with ``INTENT`` and never journaled as published is looked at
+then (``intents.writer_alive``).
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
@@ -33,7 +41,7 @@ log = logging.getLogger(__name__)
 
 INDEX_DIR = "index"
 JOURNAL_DIR = f"{PRIVATE_DIR}/{INDEX_DIR}/journal"
-PUBLISH, TOUCH, REMOVE = 1, 2, 3
+PUBLISH, TOUCH, REMOVE, INTENT = 1, 2, 3, 4
 
 RECORD = np.dtype([("kind", "u1"), ("pad", "u1", (3,)), ("group", "<u4"), ("ns", "<u8"), ("index", "<u8"),
                    ("parent", "<u8"), ("nbytes", "<i8"), ("mtime", "<i8"), ("lease", "<i8"), ("at", "<i8")])
@@ -82,6 +90,10 @@ class Journal:
         self.store.fs.makedirs(JOURNAL_DIR)
         self._fd = self.store.fs.open(f"{JOURNAL_DIR}/{self.name()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
         self._end = 0
+        try:  # a reader's probe holds it shared for a moment at most
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except OSError:  # no locks here: readers wait out INTENT_TTL_S before they look at its intents
+            pass
         return self._fd
 
     def append(self, recs: np.ndarray) -> Optional[tuple[str, int]]:
@@ -134,10 +146,19 @@ def journal_of(store: PageStore) -> Journal:
 
 
 def read_journals(store: PageStore, offsets: dict[str, int]) -> tuple[np.ndarray, dict[str, int]]:
-    """Every whole record past ``offsets[name]`` in every journal, and the new offsets (whole
-    records only: a partial record at a file's end is left for later, or for ever if its writer
-    died). Links and other non-files among the journals are never opened."""
-    parts: list[np.ndarray] = []
+    """Every whole ``PUBLISH``/``TOUCH``/``REMOVE`` record past ``offsets[name]`` in every
+    journal, and the new offsets (``read_each``)."""
+    each, ends = read_each(store, offsets)
+    recs = np.concatenate(list(each.values())) if each else np.zeros(0, dtype=RECORD)
+    return recs[np.isin(recs["kind"], (PUBLISH, TOUCH, REMOVE))], ends
+
+
+def read_each(store: PageStore, offsets: dict[str, int]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Per journal (by name, in name order), every whole record past ``offsets[name]``, of every
+    kind; and the new offsets (whole records only: a partial record at a file's end is left for
+    later, or for ever if its writer died). Links and other non-files among the journals are
+    never opened. Called by the catalog, which needs to know whose ``INTENT`` records it reads."""
+    parts: dict[str, np.ndarray] = {}
     ends: dict[str, int] = {}
     for e in sorted(store.fs.scandir(JOURNAL_DIR), key=lambda e: e.name):
         if e.kind != "file" or not e.name.endswith(".log"):
@@ -160,9 +181,8 @@ def read_journals(store: PageStore, offsets: dict[str, int]) -> tuple[np.ndarray
         whole = len(buf) - len(buf) % RECORD.itemsize
         ends[e.name] = start + whole
         if whole:
-            parts.append(np.frombuffer(buf[:whole], dtype=RECORD))
-    recs = np.concatenate(parts) if parts else np.zeros(0, dtype=RECORD)
-    return recs[np.isin(recs["kind"], (PUBLISH, TOUCH, REMOVE))], ends
+            parts[e.name] = np.frombuffer(buf[:whole], dtype=RECORD)
+    return parts, ends
 
 
 def journal_ends(store: PageStore) -> dict[str, int]:

@@ -75,6 +75,7 @@ def publish(ns: Namespace, group: int, key: bytes, data: Any, coming: Optional[C
         stored, saving = (None, [parent]) if on_its_way else (parent, [])
         if not store.budget.admit(ns, group, nbytes, stored, saving):
             return False
+        store.budget.on_publishing(ns, group, [(key, parent)], nbytes)
     rel_dir, name = ns.chunk_location(group, key)
     with store.fs.directory(rel_dir, create=True) as dfd:
         tmp = f"{name}{fmt.TMP_MARK}{os.getpid()}.r{next(_seq):x}"

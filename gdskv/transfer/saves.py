@@ -140,6 +140,8 @@ class SavePath:
         trailer = checksum.seal(segments, group=group, store_key=ns.store_key(group, key), block_key=key, parent_key=parent,
                                 algo=self._checksum, auth_key=self._auth_key)
         segs = file_segments(segments, trailer)
+        if budget is not None:
+            budget.on_publishing(ns, group, [(key, parent)], nbytes + fmt.TRAILER_BYTES)
         try:
             self._write_and_publish(group, key, segs)
         except OSError as e:
@@ -268,6 +270,8 @@ class SavePath:
             work.append((rel_dir, tmp, name, batchio.pieces_at(segments, base + at), self._auth_key is None, outs,
                          *present_size))
             native.append(i)
+        if budget is not None and native:
+            budget.on_publishing(ns, group, [jobs[i][:2] for i in native], chunk_bytes)
         return native, work, rest, [block]
 
     def _settle_saves(self, group: int, jobs: Sequence[tuple], native: list[int], errs: Sequence[int],
