@@ -334,3 +334,36 @@ def test_a_save_reads_the_page_only_once_it_is_ready(xfer):
     assert fut.result() is SaveStatus.PUBLISHED
     back = torch.zeros(5096, dtype=torch.uint8)
     assert xfer.load_page(0, KEYS[0], [back]).result() is LoadStatus.LOADED and (back == 42).all()
+
+
+def test_a_directory_holding_only_what_a_store_being_made_leaves_is_taken_not_refused(tmp_path: Path) -> None:
+    """Another process making a store takes ``.gdskv/lock`` before its ``zarr.json`` lands: a
+    process opening the path then found a non-empty directory that was not a store, and refused."""
+    root = tmp_path / "store"
+    (root / ".gdskv").mkdir(parents=True)
+    (root / ".gdskv" / "lock").touch()
+    (root / "zarr.json.tmp.123.abc").touch()
+    assert PageStore.open(root).attributes()["format_version"] == fmt.FORMAT_VERSION
+    other = tmp_path / "other"
+    (other / ".gdskv").mkdir(parents=True)
+    (other / "notes.txt").write_text("someone's")
+    with pytest.raises(StoreError, match="not empty"):
+        PageStore.open(other)
+
+
+def test_processes_brought_up_together_on_a_fresh_path_all_open_one_store(tmp_path: Path) -> None:
+    """A deployment's ranks start at once on a store path nobody used yet."""
+    code = textwrap.dedent("""
+        import sys, time
+        from gdskv.store import PageStore
+        time.sleep(max(0.0, float(sys.argv[2]) - time.time()))
+        PageStore.open(sys.argv[1])
+    """)
+    for attempt in range(2):
+        root = tmp_path / f"store{attempt}"
+        start = time.time() + 3.0
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(root), str(start)], stderr=subprocess.PIPE, text=True)
+                 for _ in range(6)]
+        errors = [p.communicate(timeout=60)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0] * 6, [e.strip().splitlines()[-1:] for e in errors]
+        assert PageStore.open(root, create=False).attributes()["format_version"] == fmt.FORMAT_VERSION

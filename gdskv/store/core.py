@@ -67,7 +67,7 @@ class PageStore(Walking):
                 _why_not_a_store(root)
         elif not create:
             raise StoreError(f"{root} is not a gdskv store (no {meta.name} with a '{STORE_ATTR}' attribute)")
-        elif root.exists() and any(root.iterdir()):
+        elif root.exists() and not _being_made(root):
             raise StoreError(f"{root} exists, is not empty and is not a gdskv store; refusing to use it")
         else:
             existed = root.exists()
@@ -185,6 +185,17 @@ class PageStore(Walking):
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+
+
+def _being_made(root: Path) -> bool:
+    """Whether the directory ``root`` is empty, or holds only what another process making a store
+    there leaves before its ``zarr.json`` lands (``.gdskv/`` with the lock it holds, the document's
+    temp file): ``open`` then waits on that lock and takes the store it made. Processes brought up
+    together on a fresh path (a deployment's ranks) found each other's ``.gdskv/`` and refused."""
+    for e in root.iterdir():
+        if not (e.name == PRIVATE_DIR and e.is_dir() and not e.is_symlink()) and not e.name.startswith(f"zarr.json{fmt.TMP_MARK}"):
+            return False
+    return True
 
 def _exists(path: Path) -> bool:
     """Whether ``path`` exists (a link counts); ``StoreUnreadable`` when that cannot be told (no
