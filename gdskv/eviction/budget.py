@@ -104,6 +104,7 @@ class Budget:
         self._counted_to: dict[str, int] = {}  # how far the last count read each journal
         self._admitted_since_count = 0  # bytes reserved since the index was last read
         self._evictions = 0  # evictions that changed ``_used``: a count read before one is stale
+        self._removing = 0  # removals under way: a count that ends during one may have read it already
         self._counted_at = float("-inf")
         self._background: Optional[threading.Thread] = None
         self.counted = threading.Event()  # set once the index was read (or found missing and walked)
@@ -214,10 +215,16 @@ class Budget:
             if round_:
                 self._recency_from_files(table, select_victims(table, LOOK_AHEAD * left, pinned, now_ns=time.time_ns()))
             order = select_victims(table, left, pinned, now_ns=time.time_ns())
-            got = remove_chunks(self.store, table, order, lambda p: self._pins[_norm(p)] > 0, self._state)
             with self._state:
-                self._used = max(0, (self._used or 0) - got.freed_bytes)
-                self._evictions += 1
+                self._removing += 1
+            got = Removal()
+            try:
+                got = remove_chunks(self.store, table, order, lambda p: self._pins[_norm(p)] > 0, self._state)
+            finally:
+                with self._state:
+                    self._removing -= 1
+                    self._used = max(0, (self._used or 0) - got.freed_bytes)
+                    self._evictions += 1
             done += got
             if done.freed_bytes >= need or not got.skipped_fresh:
                 break  # the headroom alone is not worth another ranking
@@ -355,12 +362,13 @@ class Budget:
                     return None
                 summary = catalog.totals(self.store)
             with self._state:
-                if self._evictions == evictions or self._used is None:
+                if (self._evictions == evictions and not self._removing) or self._used is None:
                     # chunks published while counting are in it where it read their journal records
                     self._counted_to = summary.journal_ends
                     self._used = summary.nbytes + sum(n for end, n in self._published_while_counting if not self._counted(end))
                     self._admitted_since_count = 0
-                # else an eviction ran meanwhile and took its bytes off a count this one may predate:
+                # else an eviction ran meanwhile and took its bytes off a count this one may predate
+                # (or it is removing now, and takes off what this count may have read removed):
                 # the next count (the next admission asks for one) settles it
             return summary
         finally:
