@@ -29,3 +29,22 @@ def _isolated_default_store(tmp_path_factory, monkeypatch):
 @pytest.fixture
 def store_path(tmp_path):
     return str(tmp_path / "store")
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    """A moto S3 server for one test file (``remote_helpers.MotoEndpoint``)."""
+    from remote_helpers import MotoEndpoint
+
+    ep = MotoEndpoint()
+    yield ep
+    ep.stop()
+
+
+@pytest.fixture
+def aws_credentials(monkeypatch):
+    """The moto server's credentials in the environment, where the S3 client looks for them."""
+    from remote_helpers import CREDENTIALS
+
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)

@@ -27,26 +27,15 @@ from gdskv.remote.objects import chunk_key
 from gdskv.service import KvService
 from gdskv.store import GroupSpec, NamespaceSpec
 from gdskv.transfer import LoadStatus, SaveStatus
-from remote_helpers import BUCKET, CREDENTIALS, MotoEndpoint, SilentEndpoint, free_port, remote_table, wait_for
+from remote_helpers import BUCKET, MotoEndpoint, SilentEndpoint, free_port, remote_table, wait_for
+
+pytestmark = pytest.mark.usefixtures("aws_credentials")
 
 TPB = 4
 PAGE = 4096
 SPEC = NamespaceSpec("remote-test", "float16", TPB, (GroupSpec(0, PAGE, (0, 1)), GroupSpec(1, PAGE // 2, (2,))))
 TOKENS = list(range(1000, 1000 + 10 * TPB + 1))  # 10 full blocks
 KEYS = chain_keys(TOKENS, TPB)
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    ep = MotoEndpoint()
-    yield ep
-    ep.stop()
-
-
-@pytest.fixture(autouse=True)
-def _credentials(monkeypatch):
-    for k, v in CREDENTIALS.items():
-        monkeypatch.setenv(k, v)
 
 
 _prefixes = iter(range(1 << 30))

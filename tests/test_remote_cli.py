@@ -13,23 +13,14 @@ from gdskv.keys import chain_keys
 from gdskv.remote.objects import chunk_key
 from gdskv.service import KvService
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
-from remote_helpers import BUCKET, CREDENTIALS, MotoEndpoint
+from remote_helpers import BUCKET
 
 SPEC = NamespaceSpec("remote-cli", "float16", 4, (GroupSpec(0, 2048, (0,)),))
 KEYS = chain_keys(list(range(6 * 4 + 1)), 4)
 
 
-@pytest.fixture(scope="module")
-def endpoint():
-    ep = MotoEndpoint()
-    yield ep
-    ep.stop()
-
-
 @pytest.fixture
-def config(tmp_path, endpoint, monkeypatch):
-    for k, v in CREDENTIALS.items():
-        monkeypatch.setenv(k, v)
+def config(tmp_path, endpoint, aws_credentials, monkeypatch):
     f = tmp_path / "gdskv.toml"
     f.write_text(f'[gdskv]\n[gdskv.remote]\nurl = "s3://{BUCKET}/cli-{tmp_path.name}"\nendpoint = "{endpoint.url}"\n'
                  f'upload = "off"\n')

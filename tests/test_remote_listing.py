@@ -20,23 +20,12 @@ from gdskv.remote import ObjectClient
 from gdskv.remote.objects import chunk_key
 from gdskv.service import KvService
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
-from remote_helpers import BUCKET, CREDENTIALS, MotoEndpoint, free_port, remote_table, wait_for
+from remote_helpers import BUCKET, MotoEndpoint, free_port, remote_table, wait_for
+
+pytestmark = pytest.mark.usefixtures("aws_credentials")
 
 SPEC = NamespaceSpec("remote-listing", "float16", 4, (GroupSpec(0, 2048, (0,)),))
 KEYS = chain_keys(list(range(6 * 4 + 1)), 4)
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    ep = MotoEndpoint()
-    yield ep
-    ep.stop()
-
-
-@pytest.fixture(autouse=True)
-def _credentials(monkeypatch):
-    for k, v in CREDENTIALS.items():
-        monkeypatch.setenv(k, v)
 
 
 def client_of(endpoint: MotoEndpoint, prefix: str) -> ObjectClient:

@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from remote_helpers import CREDENTIALS, MotoEndpoint, prompt, remote_table, run_node
+from remote_helpers import prompt, remote_table, run_node
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def endpoint():
-    ep = MotoEndpoint()
-    yield ep
-    ep.stop()
-
-
-def test_node_b_serves_node_a_prefix_from_the_bucket_then_locally(tmp_path, endpoint, monkeypatch):
-    for k, v in CREDENTIALS.items():
-        monkeypatch.setenv(k, v)
+def test_node_b_serves_node_a_prefix_from_the_bucket_then_locally(tmp_path, endpoint, aws_credentials):
     prompts = [prompt(39, 1), prompt(20, 2) + prompt(13, 3)]  # 9 and 8 servable blocks (TPB 4)
     remote = remote_table(endpoint.url, "nodes")
     a = run_node({"store": str(tmp_path / "node-a"), "remote": remote, "prompts": prompts})["runs"][0]
