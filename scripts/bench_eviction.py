@@ -103,7 +103,8 @@ def synthesize(store: PageStore, start: int, stop: int, chain: int, rng: np.rand
     base = f"{store.root}/ns/{ns.id}/g0/c"
     mtimes = _sources(store)
     journal = journal_of(store)
-    with mp.get_context("fork").Pool(workers) as pool:
+    # not "fork": a child forked while one of the store's threads holds a lock can hang on it
+    with mp.get_context("forkserver").Pool(workers) as pool:
         for lo in range(start, stop, BATCH):
             hi = min(stop, lo + BATCH)
             n = hi - lo
