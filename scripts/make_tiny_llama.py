@@ -13,12 +13,13 @@ pure function of ``--seed``, so two builds are byte-identical.
 
     python scripts/make_tiny_llama.py OUT_DIR [--seed 0] [--dtype float32|bfloat16] [--head-dim N]
                                       [--layers N] [--heads N] [--kv-heads N] [--intermediate N]
-                                      [--max-positions N]
+                                      [--max-positions N] [--sliding-window N]
 
 ``--dtype bfloat16`` (vLLM on CPU) rounds the same weights to bf16 and needs ``torch``;
 ``--head-dim`` sets the attention head size (the hidden size is heads x head size). The
 geometry flags make a model whose prefill costs real time on a CPU (``scripts/bench_ttft.py``'s
-MAX section); their defaults are the tests' tiny model.
+MAX section); their defaults are the tests' tiny model. ``--sliding-window N`` alternates
+sliding-window (``N`` tokens) and full-attention layers, as gpt-oss and Gemma do.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class TinyLlamaShape:
     max_position_embeddings: int = 2048
     vocab_size: int = 384
     dtype: str = "float32"
+    sliding_window: int = 0
+    """Tokens an even-numbered layer attends to (``layer_types`` alternates sliding and full
+    attention from layer 0, as gpt-oss and Gemma do); 0: full attention in every layer."""
 
     @property
     def head_dim(self) -> int:
@@ -132,7 +136,9 @@ def hf_config(shape: TinyLlamaShape, tok: PreTrainedTokenizerFast, vocab: int) -
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": tok.eos_token_id,
         "pad_token_id": tok.pad_token_id,
-    }
+    } | ({"sliding_window": shape.sliding_window,
+          "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(shape.num_layers)]}
+         if shape.sliding_window else {})
 
 
 def build(out: Path, seed: int = 0, shape: TinyLlamaShape = TinyLlamaShape()) -> Path:
@@ -169,13 +175,16 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=TinyLlamaShape.num_kv_heads)
     ap.add_argument("--intermediate", type=int, default=TinyLlamaShape.intermediate_size)
     ap.add_argument("--max-positions", type=int, default=TinyLlamaShape.max_position_embeddings)
+    ap.add_argument("--sliding-window", type=int, default=0,
+                    help="window of the even-numbered layers (sliding and full attention alternate); 0: none")
     args = ap.parse_args()
     if min(args.layers, args.heads, args.kv_heads, args.intermediate, args.max_positions, args.head_dim) < 1 \
-            or args.heads % args.kv_heads:
-        ap.error("geometry flags must be positive, and --heads a multiple of --kv-heads")
+            or args.heads % args.kv_heads or args.sliding_window < 0:
+        ap.error("geometry flags must be positive (--sliding-window 0 or more), and --heads a multiple of --kv-heads")
     shape = TinyLlamaShape(num_layers=args.layers, hidden_size=args.heads * args.head_dim, num_heads=args.heads,
                            num_kv_heads=args.kv_heads, intermediate_size=args.intermediate,
-                           max_position_embeddings=args.max_positions, dtype=args.dtype)
+                           max_position_embeddings=args.max_positions, dtype=args.dtype,
+                           sliding_window=args.sliding_window)
     print(build(args.out, args.seed, shape))
 
 

@@ -81,13 +81,25 @@ def test_namespace_spec_from_vllm_config(tmp_path):
 @pytest.mark.parametrize("kv, vc, match", [
     (kv_cache_config(FullAttentionSpec(), SlidingWindowSpec(sliding_window=8)), vllm_config(), "2 KV cache groups"),
     (kv_cache_config(SlidingWindowSpec(sliding_window=8)), vllm_config(), "SlidingWindowSpec"),
-    (kv_cache_config(FullAttentionSpec(sliding_window=8)), vllm_config(), "sliding_window=8"),
-    (kv_cache_config(FullAttentionSpec(attention_chunk_size=64)), vllm_config(), "attention_chunk_size"),
     (kv_cache_config(), vllm_config(pp=2), "pipeline_parallel_size=2"),
 ])
 def test_what_gdskv_cannot_describe_is_refused_at_bring_up(tmp_path, kv, vc, match):
     with pytest.raises(ConnectorSetupError, match=match):
         namespace_spec(vc, kv, GdsKvConfig(store_path=str(tmp_path / "s")), 0)
+
+
+def test_local_attention_vllm_allocates_in_full_is_served_in_a_namespace_of_its_window(tmp_path):
+    """gpt-oss / Gemma / Llama 4: without SupportsHMA vLLM promotes their sliding-window or
+    chunked-local layers to one FullAttentionSpec group that records the window and keeps every
+    block; the same model with the window disabled computes other KV, so it is another namespace."""
+    cfg = GdsKvConfig(store_path=str(tmp_path / "s"))
+    full = namespace_spec(vllm_config(), kv_cache_config(), cfg, 0)
+    windowed = namespace_spec(vllm_config(), kv_cache_config(FullAttentionSpec(sliding_window=8)), cfg, 0)
+    chunked = namespace_spec(vllm_config(), kv_cache_config(FullAttentionSpec(attention_chunk_size=64)), cfg, 0)
+    assert dict(windowed.extra)["sliding_window"] == "8" and dict(chunked.extra)["attention_chunk_size"] == "64"
+    assert "sliding_window" not in dict(full.extra) and "attention_chunk_size" not in dict(full.extra)
+    assert len({full.namespace_id, windowed.namespace_id, chunked.namespace_id}) == 3
+    assert windowed.groups == full.groups
 
 
 def test_store_settings_come_from_gdskv_config_and_extra_config(tmp_path, monkeypatch):

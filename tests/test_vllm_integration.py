@@ -20,7 +20,9 @@ vLLM's own prefix cache off (so every request asks the store, not the device):
    the bucket, then from node B's own store;
 6. ``gdskv prewarm --engine vllm`` (vLLM's offline ``LLM``) with the servers' settings as
    ``--engine-arg``, on an empty store: exactly the chunk files server 1 saved, counted in its
-   ``--json`` summary.
+   ``--json`` summary;
+7. the same weights with a 64-token sliding window in layer 0 (gpt-oss's and Gemma's shape),
+   twice on a store of its own: the second server loads the prefix and completes as the first.
 
 Time to first token of the runs and the bytes served are printed (``-s``) and in docs/vllm.md.
 Part of the default test run (``-m "not vllm"`` leaves it out): the first run on a machine
@@ -80,9 +82,20 @@ def vllm_python() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-llama-bf16")
+    return _make_tiny_llama(vllm_python, tmp_path_factory.mktemp("tiny-llama-bf16"))
+
+
+@pytest.fixture(scope="session")
+def tiny_windowed_llama(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tiny_llama``'s weights with gpt-oss's and Gemma's attention: layer 0 a 64-token sliding
+    window, layer 1 full attention."""
+    return _make_tiny_llama(vllm_python, tmp_path_factory.mktemp("tiny-llama-windowed"), "--sliding-window", str(2 * BLOCK))
+
+
+def _make_tiny_llama(vllm_python: Path, out: Path, *flags: str) -> Path:
+    """``scripts/make_tiny_llama.py`` in bf16 with head size 32 (what vLLM on CPU runs) into ``out``."""
     subprocess.run([str(vllm_python), str(REPO / "scripts" / "make_tiny_llama.py"), str(out), "--dtype", "bfloat16",
-                    "--head-dim", "32"], check=True, env=_env({}), capture_output=True)
+                    "--head-dim", "32", *flags], check=True, env=_env({}), capture_output=True)
     return out
 
 
@@ -307,6 +320,36 @@ def test_a_node_with_an_empty_store_serves_the_prefix_from_the_bucket(vllm_pytho
     print(f"\nvLLM with the remote tier: node B served {blocks} blocks from the bucket; TTFT node A (computed) "
           f"{first.ttft * 1000:.0f} ms, node B first (bucket) {second.ttft * 1000:.0f} ms, "
           f"second (local) {third.ttft * 1000:.0f} ms")
+
+
+def test_a_model_with_sliding_window_layers_is_served_from_the_store(vllm_python: Path, tiny_windowed_llama: Path,
+                                                                     node_a: NodeA, tmp_path: Path):
+    """Sliding-window and full-attention layers alternating (gpt-oss, Gemma): vLLM allocates the
+    window's layers in full for a connector without ``SupportsHMA``, so every block of the
+    prefix is whole. Server 1 computes the prompt and saves its blocks into a namespace that
+    records the window; server 2 on that store loads every full block and completes exactly as
+    server 1 did. The weights are node A's: the window changes the completion, so it was in
+    effect (a refusal at bring-up was what this model met before)."""
+    from gdskv.store import PageStore
+
+    store = tmp_path / "store"
+    with serve(vllm_python, tiny_windowed_llama, store, tmp_path, "windowed-1") as s1:
+        tokens = s1.tokens(PROMPT)
+        first = s1.complete(PROMPT)
+        _wait_stats(store, lambda s: s.get("saves_published", 0) >= len(tokens) // BLOCK)
+    blocks = (len(tokens) - 1) // BLOCK
+    ns = PageStore.open(store, create=False).namespaces()
+    assert len(ns) == 1 and dict(ns[0].spec.extra)["sliding_window"] == str(2 * BLOCK)
+    assert len(_chunk_names(store)) == len(tokens) // BLOCK
+    with serve(vllm_python, tiny_windowed_llama, store, tmp_path, "windowed-2") as s2:
+        before = _stats(store)
+        second = s2.complete(PROMPT)
+        loaded = _wait_stats(store, lambda s: _delta(s, before, "loads_hit") >= blocks)
+    assert second.text == first.text
+    assert _delta(loaded, before, "loads_hit") == blocks and _delta(loaded, before, "lookup_matched_tokens") == blocks * BLOCK
+    assert first.text != node_a.first.text
+    print(f"\nvLLM, sliding window {2 * BLOCK} beside full attention: {blocks} blocks served; TTFT computed "
+          f"{first.ttft * 1000:.0f} ms, from the store {second.ttft * 1000:.0f} ms; completion {first.text!r}")
 
 
 def test_prewarm_with_vllm_stores_what_a_server_of_the_same_settings_saves(vllm_python: Path, tiny_llama: Path,

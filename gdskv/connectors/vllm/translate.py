@@ -3,8 +3,8 @@
 - ``store_config``: gdskv's own config, with ``kv_connector_extra_config`` overriding settings;
 - ``namespace_spec``: the store namespace of one TP shard, from ``vllm_config`` and vLLM's
   ``KVCacheConfig`` (the same in the scheduler and the worker process, so both find the same
-  chunks); refuses what gdskv cannot describe (hybrid / sliding-window groups, pipeline or
-  decode-context parallelism), naming the setting;
+  chunks); refuses what gdskv cannot describe (more than one KV cache group, a group whose
+  blocks vLLM frees below a window, pipeline or decode-context parallelism), naming the setting;
 - ``PagePool``: a block id as the byte segments of its page (every layer's block, in the
   group's layer order), over the tensors ``register_kv_caches`` hands over;
 - ``StepMeta``: what the scheduler side hands the workers each step (pickled by vLLM).
@@ -44,8 +44,17 @@ def store_config(vllm_config: Any) -> GdsKvConfig:
 
 def namespace_spec(vllm_config: Any, kv_cache_config: Any, cfg: GdsKvConfig, tp_rank: int) -> NamespaceSpec:
     """The namespace of TP shard ``tp_rank``: model, dtype, block size, page bytes of the one
-    full-attention KV cache group (every layer's block of one block id), TP rank/size, and the
-    KV layout and device type that decide how a page's bytes are arranged."""
+    full-attention KV cache group (every layer's block of one block id), TP rank/size, the KV
+    layout and device type that decide how a page's bytes are arranged, and the attention
+    window.
+
+    Sliding-window and chunked-local layers beside full-attention ones (gpt-oss, Gemma, Llama 4)
+    are served: without ``SupportsHMA`` vLLM allocates them as full attention (one
+    ``FullAttentionSpec`` group recording ``sliding_window`` / ``attention_chunk_size``) and
+    keeps every block of a request, so a prefix's blocks are whole. The window is part of the
+    namespace: the same model run with ``--disable-sliding-window`` computes other KV. A group
+    of local attention only (``SlidingWindowSpec``: vLLM frees its blocks below the window) is
+    refused."""
     where = "gdskv (vLLM connector)"
     groups = list(_attr(kv_cache_config, "kv_cache_groups") or ())
     if len(groups) != 1:
@@ -56,12 +65,8 @@ def namespace_spec(vllm_config: Any, kv_cache_config: Any, cfg: GdsKvConfig, tp_
     spec = groups[0].kv_cache_spec
     kind = type(spec).__name__
     if kind != "FullAttentionSpec":
-        raise ConnectorSetupError(f"{where}: KV cache spec {kind} is not supported; gdskv serves FullAttentionSpec layers only")
-    for setting in ("sliding_window", "attention_chunk_size"):
-        if getattr(spec, setting, None) is not None:
-            raise ConnectorSetupError(
-                f"{where}: the model's attention has {setting}={getattr(spec, setting)}; gdskv does not implement vLLM's hybrid "
-                "allocator interface (SupportsHMA) and refuses sliding-window / chunked-attention models")
+        raise ConnectorSetupError(f"{where}: KV cache spec {kind} is not supported; gdskv serves one group vLLM allocates as "
+                                  "FullAttentionSpec (full attention, or local attention beside full-attention layers)")
     for setting in ("parallel_config.pipeline_parallel_size", "parallel_config.decode_context_parallel_size"):
         v = _attr(vllm_config, setting)
         if isinstance(v, int) and v > 1:
@@ -79,6 +84,9 @@ def namespace_spec(vllm_config: Any, kv_cache_config: Any, cfg: GdsKvConfig, tp_
         "device": str(_attr(vllm_config, "device_config.device_type") or "unknown"),
         "layer_page_bytes": str(int(spec.page_size_bytes)),
     }
+    for setting in ("sliding_window", "attention_chunk_size"):
+        if getattr(spec, setting, None) is not None:
+            extra[setting] = str(int(getattr(spec, setting)))
     revision = _attr(vllm_config, "model_config.revision")
     if revision:
         extra["revision"] = str(revision)
