@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from gdskv import eviction as ev
 from gdskv.cli.main import main as cli_main
 from gdskv.config import GdsKvConfig
-from gdskv.eviction import Budget, ChunkInfo, Limits, install_budget, pick_victims, scan_store, select_victims, shortfall
+from gdskv.eviction import Budget, ChunkInfo, Limits, catalog, install_budget, pick_victims, scan_store, select_victims, shortfall
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
@@ -530,9 +530,11 @@ def test_eviction_order_survives_reopen_through_mtime(tmp_path: Path) -> None:
     assert gone == {ns.chunk_path(0, k) for k in chain_keys(old, TPB)}
 
 
-def test_install_budget_without_limits_is_a_no_op(rig: _Rig) -> None:
-    assert install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root))) is None
-    assert rig.store.budget is None
+def test_a_budget_without_limits_admits_every_save_and_journals_it(rig: _Rig) -> None:
+    budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root)))
+    assert rig.store.budget is budget and not budget.evicts
+    assert rig.save_chain(list(range(40 * TPB))) == [SaveStatus.PUBLISHED] * 40
+    assert catalog.totals(rig.store).chunks == 40  # journaled as a budget's saves are
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

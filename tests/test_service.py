@@ -53,11 +53,11 @@ def test_bring_up_creates_a_namespace_per_shard(cfg):
         assert svc.active and len(svc.namespaces) == 2
         assert [ns.spec.tp_rank for ns in svc.namespaces] == [0, 1]
         assert svc.namespace.spec.tp_rank == 1 and svc.transfer is not None
-        assert svc.store.budget is None
+        assert svc.store.budget is not None and not svc.store.budget.evicts  # it keeps the index
     finally:
         svc.close()
     with_budget = KvService(GdsKvConfig(store_path=cfg.store_path, max_bytes="1M"), spec())
-    assert with_budget.store.budget is not None
+    assert with_budget.store.budget.evicts
     with_budget.close()
 
 

@@ -1,8 +1,9 @@
 """Eviction budget: the capacity hook ``PageTransfer`` calls on ``store.budget``.
 
 ``Budget`` implements the hook (``admit``, ``on_publishing``, ``on_published``, ``pin``, ``unpin``,
-``on_touched``); ``install_budget(store, cfg)`` sets it at bring-up when the config has a byte budget
-or a free-space floor. It counts and evicts from the chunk index (``gdskv.eviction.catalog``).
+``on_touched``); ``install_budget(store, cfg)`` sets it at bring-up in every process that writes
+chunks. It keeps the chunk index (``gdskv.eviction.catalog``) current with what the process saves
+and loads, and, when the config has a byte budget or a free-space floor, counts and evicts from it.
 """
 from __future__ import annotations
 
@@ -114,6 +115,12 @@ class Budget:
         self._error_logged_at = float("-inf")
 
     @property
+    def evicts(self) -> bool:
+        """Whether the config set a limit (``max_bytes``, a free-space floor): without one this
+        budget admits every save and only keeps the index."""
+        return self.limits.active
+
+    @property
     def used_bytes(self) -> Optional[int]:
         """The current estimate of the store's chunk bytes, saves in flight included (None before
         the index was first read)."""
@@ -191,8 +198,7 @@ class Budget:
     def evict(self, need: int, protect: Sequence[str] = ()) -> Removal:
         """Remove at least ``need`` bytes plus the headroom, least recently used first, from the
         index; pinned chunks, ``protect`` and their ancestors stay. Chunks used since the index
-        last saw them (a load stamps its chunk after the lookup journaled it; a process without a
-        budget journals nothing) are kept. The ranking is then made again, up to
+        last saw them (a load stamps its chunk after the lookup journaled it) are kept. The ranking is then made again, up to
         ``EVICT_ROUNDS`` times while ``need`` itself is not met, after reading the recency of
         the chunks it would choose among (``LOOK_AHEAD`` times the bytes still wanted) from their
         files, so a stale index costs a few ``lstat``s, not the save. The index is read once: a
@@ -443,18 +449,19 @@ class Budget:
         return -(-nbytes // self._block)
 
 
-def install_budget(store: PageStore, cfg: GdsKvConfig, wait_seconds: float = 0.5) -> Optional[Budget]:
-    """Set ``store.budget`` from the config's ``max_bytes`` / ``min_free_bytes`` /
-    ``min_free_percent`` when any is set, and return it; else None. The store is counted from its
-    chunk index on a background thread; bring-up waits at most ``wait_seconds`` for that (an
-    index is read in milliseconds; a store without one is walked meanwhile, saves held to the
-    conservative estimate until the walk is done).
+def install_budget(store: PageStore, cfg: GdsKvConfig, wait_seconds: float = 0.5) -> Budget:
+    """Set ``store.budget`` with the config's ``max_bytes`` / ``min_free_bytes`` /
+    ``min_free_percent``, and return it. The store is counted from its chunk index on a
+    background thread; bring-up waits at most ``wait_seconds`` for that (an index is read in
+    milliseconds; a store without one is walked meanwhile, saves held to the conservative
+    estimate until the walk is done). Without a limit the budget admits every save and journals
+    it all the same: a process that saved without journaling left its chunks out of
+    ``gdskv info``, the metrics and every other process's budget until the daily walk.
 
-    Called once at bring-up by the connectors and the demo, right after ``PageStore.open``.
+    Called once at bring-up by the service (every process that writes chunks), the demo and
+    ``gdskv pull``, right after ``PageStore.open``.
     """
     limits = Limits.of(cfg)
-    if not limits.active:
-        return None
     if isinstance(store.budget, Budget) and store.budget.limits == limits:
         return store.budget
     budget = Budget(store, limits)

@@ -63,7 +63,7 @@ class SavePath:
         """Note a step's saves as on their way (``SavesOnTheirWay``) until they finish, where a
         budget may evict for them: the returned ``on_done``, which every path runs for every page
         before its future resolves, forgets them, then runs the caller's."""
-        if self.ns.store.budget is None:
+        if not getattr(self.ns.store.budget, "evicts", False):
             return on_done
         forget = self._saving.post(group, jobs)
 
