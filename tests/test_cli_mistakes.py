@@ -174,3 +174,19 @@ def test_prewarm_refuses_a_prompt_limit_beyond_the_reference_pool(tmp_path):
     prompt = tmp_path / "p.txt"
     prompt.write_text("hello")
     assert "--max-prompt-tokens" in one_line_error(run("prewarm", str(prompt), "--max-prompt-tokens", str(10**23)), 2)
+
+
+@pytest.mark.parametrize("spelling", ["relative", "dotdot"])
+def test_verify_checks_every_chunk_of_a_store_named_by_a_relative_or_unnormalized_path(store, tmp_path, monkeypatch, spelling):
+    ns = PageStore.open(store, create=False)
+    chunks = sorted(e.path for _, _, e in ns.iter_chunk_files())
+    with open(chunks[0], "r+b") as f:
+        f.write(b"\xff" * 8)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    path = "store" if spelling == "relative" else str(tmp_path / "elsewhere" / ".." / "store")
+    res = run("--store", path, "verify", "--json")
+    rep = json.loads(res.stdout)
+    assert res.exit_code == 1, res.output
+    assert (rep["ok"], rep["bad"], rep["gone"]) == (len(chunks) - 1, 1, 0), rep
+    assert rep["reasons"] == {"bad-checksum": 1}

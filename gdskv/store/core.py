@@ -42,7 +42,10 @@ class PageStore(Walking):
     with ``file_mode``, directories with ``dir_mode`` (owner-only by default)."""
 
     def __init__(self, root: Path, file_mode: int = 0o600, dir_mode: int = 0o700):
-        self.root = root
+        self.root = Path(os.path.abspath(root))
+        """Absolute and normalized, as ``fs`` names the root: the chunk paths built from it are
+        the paths ``fs`` takes as inside the store (a relative root's would be taken as relative
+        to the store, a ``..`` in it as leaving it)."""
         self.private = root / PRIVATE_DIR
         self.fs = ConfinedDir(root, file_mode, dir_mode)
         self._namespaces: dict[str, Namespace] = {}
