@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from collections import Counter
@@ -90,11 +91,16 @@ def finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 
 
 def parse_duration(text: str) -> float:
-    """``"7d"`` → seconds (units s, m, h, d, w; a bare number is seconds)."""
+    """``"7d"`` → seconds (units s, m, h, d, w; a bare number is seconds). A number of more digits
+    than a float holds (``999...9w``, infinite) is refused, not passed on to overflow where the
+    seconds are counted in ns. Called by ``ls``, ``evict`` and ``gc`` for their age options."""
     m = _DURATION.match(text)
     if not m:
         raise click.BadParameter(f"not a duration: {text!r} (expected e.g. 90s, 30m, 12h, 7d, 2w)")
-    return float(m.group(1)) * _SECONDS[m.group(2).lower()]
+    seconds = float(m.group(1)) * _SECONDS[m.group(2).lower()]
+    if math.isinf(seconds):
+        raise click.BadParameter(f"not a duration: {text!r} (too long to count)")
+    return seconds
 
 
 def parse_size_or_percent(text: str, fs_total: int) -> int:

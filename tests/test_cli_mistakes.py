@@ -190,3 +190,13 @@ def test_verify_checks_every_chunk_of_a_store_named_by_a_relative_or_unnormalize
     assert res.exit_code == 1, res.output
     assert (rep["ok"], rep["bad"], rep["gone"]) == (len(chunks) - 1, 1, 0), rep
     assert rep["reasons"] == {"bad-checksum": 1}
+
+
+@pytest.mark.parametrize("args", [
+    ["ls", "--older-than", "9" * 400 + "w"],
+    ["evict", "--dry-run", "--older-than", "9" * 400 + "d"],
+    ["gc", "--dry-run", "--grace", "9" * 400],
+])
+def test_a_duration_too_long_to_be_a_number_is_a_usage_error(store, args):
+    line = one_line_error(run("--store", str(store), *args), 2)
+    assert "duration" in line and "Overflow" not in line
