@@ -16,6 +16,7 @@ from typing import Any, Optional
 import click
 from rich.table import Table
 
+from gdskv import jsondoc
 from gdskv.cli._common import UsageProblem, human_bytes, open_existing, print_json
 from gdskv.cli.output import console as make_console
 from gdskv.cli.plots import need_matplotlib, plot_stats
@@ -35,7 +36,7 @@ def summed(store: PageStore, history: Optional[list[tuple[float, dict[str, Count
         if not e.name.endswith(".json"):
             continue
         try:
-            data = json.loads(store.fs.read_small(f"{rel}/{e.name}"))
+            data = jsondoc.loads(store.fs.read_small(f"{rel}/{e.name}"))
             part = {ns_id: Counter({str(k): int(v) for k, v in counters.items()}) for ns_id, counters in data["namespaces"].items()}
             updated = float(data.get("updated") or 0.0)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, OverflowError):

@@ -424,6 +424,8 @@ def load_config(path: Optional[str] = None, /, **overrides: Any) -> GdsKvConfig:
             raise ConfigError(f"gdskv config: {path} cannot be read ({e.strerror or e})") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"gdskv config: {path} is not valid TOML: {e}") from None
+        except RecursionError:  # arrays or inline tables nested past the parser
+            raise ConfigError(f"gdskv config: {path} is not valid TOML: nested too deeply to parse") from None
         if "gdskv" in data:
             section = data["gdskv"]
             if not isinstance(section, dict):

@@ -200,3 +200,44 @@ def test_verify_checks_every_chunk_of_a_store_named_by_a_relative_or_unnormalize
 def test_a_duration_too_long_to_be_a_number_is_a_usage_error(store, args):
     line = one_line_error(run("--store", str(store), *args), 2)
     assert "duration" in line and "Overflow" not in line
+
+
+DEEP_JSON = "[" * 100_000
+
+
+def test_a_root_zarr_json_nested_past_the_parser_does_not_parse(store):
+    (store / "zarr.json").write_text(DEEP_JSON)
+    assert "does not parse" in one_line_error(run("--store", str(store), "info"), 2)
+
+
+def test_a_namespace_zarr_json_nested_past_the_parser_is_a_damaged_namespace(store):
+    ns_dir = next((store / "ns").iterdir())
+    (ns_dir / "zarr.json").write_text(DEEP_JSON)
+    res = run("--store", str(store), "info", "--json")
+    assert res.exit_code == 0, res.output
+    damaged = [ns for ns in json.loads(res.stdout)["namespaces"] if ns.get("damaged")]
+    assert [ns["id"] for ns in damaged] == [ns_dir.name] and "nested too deeply" in damaged[0]["damaged"]
+    assert run("--store", str(store), "verify").exit_code == 1
+
+
+def test_stats_skips_a_counter_file_nested_past_the_parser(store):
+    (store / ".gdskv" / "stats").mkdir(parents=True, exist_ok=True)
+    (store / ".gdskv" / "stats" / "deep.json").write_text(DEEP_JSON)
+    res = run("--store", str(store), "stats", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["unreadable"] == ["deep.json"], res.output
+
+
+def test_prewarm_fails_only_the_jsonl_line_nested_past_the_parser(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(DEEP_JSON + "\n" + json.dumps({"prompt": "a prompt that is warmed all the same"}) + "\n")
+    res = run("--store", str(tmp_path / "new-store"), "prewarm", "--json", str(prompts))
+    assert res.exit_code == 1, res.output
+    rep = json.loads(res.stdout)
+    assert rep["done"] == 1 and [f["source"] for f in rep["failed"]] == [f"{prompts}:1"], rep
+
+
+def test_a_config_nested_past_the_toml_parser_is_named(store, tmp_path, monkeypatch):
+    cfg = tmp_path / "deep.toml"
+    cfg.write_text("a = " + "[" * 100_000)
+    monkeypatch.setenv("GDSKV_CONFIG", str(cfg))
+    assert f"{cfg} is not valid TOML" in one_line_error(run("--store", str(store), "info"), 2)

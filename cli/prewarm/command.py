@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 import click
 from rich.table import Table
 
+from gdskv import jsondoc
 from gdskv.cli._common import STORE_HINT, UsageProblem, capacity_limits, config_of, human_bytes, print_json
 from gdskv.cli._remote import remote_client
 from gdskv.cli.output import console
@@ -106,7 +106,7 @@ def parse_engine_args(engine: str, items: Sequence[str]) -> dict[str, Any]:
         if key in _SET_BY_PREWARM[engine]:
             raise UsageProblem(f"--engine-arg {key}: prewarm sets it itself (use --model / --tokenizer, or the gdskv config)")
         try:
-            out[key] = json.loads(raw)
+            out[key] = jsondoc.loads(raw)
         except ValueError:
             out[key] = _PYTHON_WORDS.get(raw, raw)
     return out

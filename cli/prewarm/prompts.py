@@ -3,7 +3,6 @@
 cannot be read is a failed prompt, a path that is not a prompt source a usage problem."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from gdskv import jsondoc
 from gdskv.cli._common import UsageProblem
 
 
@@ -97,7 +97,7 @@ def _read_jsonl(path: Path) -> list[Prompt]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = jsondoc.loads(line)
         except ValueError as e:
             out.append(Prompt(src, error=f"not JSON: {e}"))
             continue

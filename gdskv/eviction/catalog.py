@@ -36,6 +36,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from gdskv import format as fmt
+from gdskv import jsondoc
 from gdskv.eviction import intents
 from gdskv.eviction.journal import INDEX_DIR, JOURNAL_DIR, PUBLISH, RECORD, REMOVE, TOUCH, read_each
 from gdskv.eviction.policy import NO_PARENT, ArrayRef, ChunkTable
@@ -89,7 +90,7 @@ class Header:
     @classmethod
     def read(cls, store: PageStore) -> "Header":
         try:
-            d = json.loads(store.fs.read_small(CATALOG))
+            d = jsondoc.loads(store.fs.read_small(CATALOG))
             h = cls(str(d["data"]), int(d["rows"]), [(str(a), int(g)) for a, g in d["arrays"]],
                     [(int(c), int(b)) for c, b in d["per_array"]], {str(k): int(v) for k, v in d["journals"].items()},
                     [(int(a), int(i), int(t)) for a, i, t in d["leases"]], int(d["walked_at_ns"]),

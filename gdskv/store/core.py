@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
 
 from gdskv import format as fmt
+from gdskv import jsondoc
 from gdskv.confined import ConfinedDir
 from gdskv.store.capacity import CapacityBudget
 from gdskv.store.namespace import Namespace
@@ -221,7 +222,7 @@ def _why_not_a_store(root: Path) -> NoReturn:
     except PermissionError as e:
         raise StoreUnreadable(f"{root} could not be read: {e.strerror}") from None
     try:
-        json.loads(fs.read_small("zarr.json"))
+        jsondoc.loads(fs.read_small("zarr.json"))
     except PermissionError as e:
         raise StoreUnreadable(f"{root / 'zarr.json'} could not be read: {e.strerror}") from None
     except OSError as e:

@@ -2,7 +2,6 @@
 its confined directory, never by zarr itself)."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -14,6 +13,7 @@ import zarr
 from zarr.storage import MemoryStore
 
 from gdskv import format as fmt
+from gdskv import jsondoc
 from gdskv.confined import ConfinedDir
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ def store_attr(fs: ConfinedDir) -> Optional[dict[str, Any]]:
     """The root ``zarr.json``'s ``gdskv`` attribute when it is a regular file that parses into
     an object, else None."""
     try:
-        doc = json.loads(fs.read_small("zarr.json"))
+        doc = jsondoc.loads(fs.read_small("zarr.json"))
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     attrs = doc.get("attributes") if isinstance(doc, dict) else None

@@ -4,11 +4,11 @@ directory is read through ``PageStore.fs`` and a link is never entered."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
+from gdskv import jsondoc
 from gdskv.store.namespace import Namespace
 from gdskv.store.spec import NamespaceSpec
 from gdskv.store.tree import GROUP_DIR, NAMESPACE_ATTR, NAMESPACE_ID
@@ -71,7 +71,7 @@ class Walking:
             if e.kind != "dir" or not NAMESPACE_ID.match(e.name):
                 continue
             try:
-                doc = json.loads(self.fs.read_small(f"ns/{e.name}/zarr.json"))
+                doc = jsondoc.loads(self.fs.read_small(f"ns/{e.name}/zarr.json"))
                 spec = NamespaceSpec.from_json(doc["attributes"][NAMESPACE_ATTR] if isinstance(doc, dict) and isinstance(doc.get("attributes"), dict) and NAMESPACE_ATTR in doc["attributes"] else None)
             except FileNotFoundError:
                 out.append((e.name, "no metadata (zarr.json)"))
