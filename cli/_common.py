@@ -17,6 +17,7 @@ from typing import Any, Iterator, Optional
 
 import click
 
+from gdskv.cli.output import printable
 from gdskv.config import ConfigError, GdsKvConfig, load_config, parse_size
 from gdskv.store import Namespace, PageStore, StoreError, StoreUnreadable
 
@@ -183,7 +184,7 @@ class OneLineErrors(click.Group):
 def _printable(e: click.ClickException) -> click.ClickException:
     """``e`` with the control characters of its message escaped (``\\n``, ``\\x1b``): one line,
     nothing a terminal would act on."""
-    e.message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in e.message)
+    e.message = printable(e.message)
     return e
 
 

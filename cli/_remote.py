@@ -11,6 +11,7 @@ import datetime
 from typing import Any, Callable, Optional
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from gdskv.cli._common import UsageProblem, auth_key_of, config_of, human_bytes, open_existing, print_json
@@ -99,10 +100,10 @@ def info(ctx: click.Context, as_json: bool) -> None:
             print_json(rep)
             return
         out = console()
-        out.print(f"[bold]remote[/]  {rep['remote']}  (endpoint {rep['endpoint'] or 'AWS S3'}; upload {rep['upload']}; "
-                  f"timeout {rep['timeout_s']} s)")
+        out.print(f"[bold]remote[/]  {escape(rep['remote'])}  (endpoint {escape(rep['endpoint'] or 'AWS S3')}; upload {escape(str(rep['upload']))}; "
+                  f"timeout {rep['timeout_s']} s)", markup=True)
         out.print(f"[bold]size[/]    {rep['chunks']} chunks, {human_bytes(rep['bytes'])}"
-                  + (f"; {skipped_keys(len(left_out))}" if left_out else ""))
+                  + (f"; {escape(skipped_keys(len(left_out)))}" if left_out else ""), markup=True)
         t = Table(title="namespaces in the bucket")
         for col in ("namespace", "model", "group", "chunks", "bytes"):
             t.add_column(col, justify="right" if col in ("group", "chunks", "bytes") else "left")

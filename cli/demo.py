@@ -85,26 +85,26 @@ def demo(ctx: click.Context, blocks: int, page_bytes: int, system_tokens: int, a
     store = cfg.store_path
     console = make_console(quiet=as_json)
     report: dict[str, Any] = {"store": store}
-    console.print(f"[bold]gdskv demo[/] — store {escape(store)}")
+    console.print(f"[bold]gdskv demo[/] — store {escape(store)}", markup=True)
     ok = True
 
-    console.print("[bold]1. Store round trip[/] (4 prompts sharing a prefix; each phase in a new process)")
+    console.print("[bold]1. Store round trip[/] (4 prompts sharing a prefix; each phase in a new process)", markup=True)
     for phase in ("save", "load"):
         r = report[phase] = _phase(store, phase, "--blocks", str(blocks), "--page-bytes", str(page_bytes))
         what = (f"{r['done']} saved, {r['already']} already stored" + (f", {r['misses']} refused" if r["misses"] else "")
                 if phase == "save" else f"{r['done']} loaded and verified, {r['misses']} missed")
         console.print(
             f"   {phase:4s}: {r['pages']} pages of {page_bytes / 2**20:g} MiB: {what}; "
-            f"{r['bytes'] / 2**20:.0f} MiB in {r['seconds'] * 1e3:.0f} ms = {r['gbps']:.2f} GB/s  engine: {escape(r['engine'])}"
+            f"{r['bytes'] / 2**20:.0f} MiB in {r['seconds'] * 1e3:.0f} ms = {r['gbps']:.2f} GB/s  engine: {r['engine']}"
         )
     problem, note = _round_trip_verdict(report["save"], report["load"], cfg, page_bytes)
     if note:
-        console.print(f"   [yellow]{escape(note)}[/]")
+        console.print(f"   {note}", style="yellow")
     if problem:
-        console.print(f"   [red]{escape(problem)}[/]")
+        console.print(f"   {problem}", style="red")
         ok = False
 
-    console.print("[bold]2. Reference engine + TensorRT-LLM connector[/] (2 prompts sharing a system prompt; two processes)")
+    console.print("[bold]2. Reference engine + TensorRT-LLM connector[/] (2 prompts sharing a system prompt; two processes)", markup=True)
     salt = f"demo-{time.time_ns()}"  # a fresh salt, so run 1 computes even when the store is warm
     runs = []
     for n in (1, 2):
@@ -119,13 +119,13 @@ def demo(ctx: click.Context, blocks: int, page_bytes: int, system_tokens: int, a
     served = sum(runs[1]["served_tokens"])
     console.print(
         f"   TTFT {max(runs[0]['ttft_s']) * 1e3:.0f} ms → {max(runs[1]['ttft_s']) * 1e3:.0f} ms; "
-        f"outputs {'[green]identical[/]' if same else '[red]DIFFER[/]'}"
+        f"outputs {'[green]identical[/]' if same else '[red]DIFFER[/]'}", markup=True
     )
     ok = ok and same and served > 0
     report |= {"engine_runs": runs, "outputs_identical": same, "served_tokens": served, "ok": ok}
     if as_json:
         print_json(report)
     if not ok:
-        console.print("[red]FAILED[/]")
+        console.print("FAILED", style="red")
         ctx.exit(1)
-    console.print(f"[green]OK[/]: pages verified byte for byte; {served} prompt tokens served from the store with identical output")
+    console.print(f"[green]OK[/]: pages verified byte for byte; {served} prompt tokens served from the store with identical output", markup=True)

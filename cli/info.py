@@ -118,10 +118,10 @@ def info(ctx: click.Context, as_json: bool, remote: bool) -> None:
         return
     console = make_console()
     e = rep["engine"]
-    console.print(f"[bold]store[/]   {rep['store']}  (format v{rep['format_version']})")
-    console.print(f"[bold]engine[/]  {e['describe']}  (config: {e['configured']}; kvikio {'installed' if e['kvikio_installed'] else 'not installed'}; "
-                  f"CUDA driver {'present' if e['cuda_driver'] else 'absent'})")
-    console.print(f"[bold]direct[/]  {direct_io_line(rep['direct_io'])}")
+    console.print(f"[bold]store[/]   {escape(rep['store'])}  (format v{rep['format_version']})", markup=True)
+    console.print(f"[bold]engine[/]  {escape(e['describe'])}  (config: {escape(e['configured'])}; kvikio {'installed' if e['kvikio_installed'] else 'not installed'}; "
+                  f"CUDA driver {'present' if e['cuda_driver'] else 'absent'})", markup=True)
+    console.print(f"[bold]direct[/]  {escape(direct_io_line(rep['direct_io']))}", markup=True)
     b, fs = rep["budget"], rep["filesystem"]
     limits = []
     if b["max_bytes"] is not None:
@@ -129,14 +129,14 @@ def info(ctx: click.Context, as_json: bool, remote: bool) -> None:
     if b["floor_bytes"] is not None and (b["min_free_bytes"] is not None or b["min_free_percent"] is not None):
         limits.append(f"keep {human_bytes(b['floor_bytes'])} free")
     console.print(f"[bold]size[/]    {rep['chunks']} chunks, {human_bytes(rep['bytes'])}; budget: {', '.join(limits) or 'none'}; "
-                  f"file system {human_bytes(fs['free_bytes'])} free of {human_bytes(fs['total_bytes'])}")
+                  f"file system {human_bytes(fs['free_bytes'])} free of {human_bytes(fs['total_bytes'])}", markup=True)
     t = Table(title="namespaces")
     for col in ("namespace", "model", "dtype", "tokens/block", "TP", "group", "window", "page bytes", "layers", "chunks", "bytes"):
         t.add_column(col, justify="right" if col in ("tokens/block", "page bytes", "layers", "chunks", "bytes") else "left")
     for ns in rep["namespaces"]:
         if ns.get("damaged"):
             for i, g in enumerate(ns["groups"] or [{"group": "-", "chunks": 0, "bytes": 0}]):
-                head = [ns["id"], f"(damaged: {escape(ns['damaged'])})", "", "", ""] if i == 0 else [""] * 5
+                head = [ns["id"], f"(damaged: {ns['damaged']})", "", "", ""] if i == 0 else [""] * 5
                 t.add_row(*head, str(g["group"]), "", "", "", str(g["chunks"]), human_bytes(g["bytes"]))
             continue
         for i, g in enumerate(ns["groups"]):

@@ -11,7 +11,6 @@ from typing import Any, Optional
 
 import click
 import numpy as np
-from rich.markup import escape
 from rich.table import Table
 
 from gdskv.cli._common import human_age, human_bytes, open_existing, parse_duration, print_json
@@ -81,4 +80,4 @@ def _ls(ctx: click.Context, namespace: Optional[str], group: Optional[int], olde
     console = make_console()
     console.print(t)
     for ns_id, why in damaged.items():
-        console.print(f"namespace {ns_id}: damaged metadata ({escape(why)}); its chunks are listed and evictable, never served", highlight=False)
+        console.print(f"namespace {ns_id}: damaged metadata ({why}); its chunks are listed and evictable, never served", highlight=False)

@@ -107,7 +107,7 @@ def stats(ctx: click.Context, as_json: bool, prometheus: bool, plot_path: Option
         print_json(rep)
         return
     for name in rep["unreadable"]:
-        make_console(stderr=True).print(f"[yellow]skipped unreadable stats file {name}[/]")
+        make_console(stderr=True).print(f"skipped unreadable stats file {name}", style="yellow")
     console = make_console()
     if not rep["namespaces"]:
         console.print(f"no counters yet ({rep['processes']} process files)")

@@ -241,3 +241,19 @@ def test_a_config_nested_past_the_toml_parser_is_named(store, tmp_path, monkeypa
     cfg.write_text("a = " + "[" * 100_000)
     monkeypatch.setenv("GDSKV_CONFIG", str(cfg))
     assert f"{cfg} is not valid TOML" in one_line_error(run("--store", str(store), "info"), 2)
+
+
+def test_reports_show_paths_as_they_are_never_as_markup_or_terminal_codes(tmp_path):
+    root = tmp_path / "k[" / "x][red]"
+    root.parent.mkdir()
+    build_store(root, _chains(2, 3))
+    chunk = min(e.path for _, _, e in PageStore.open(root, create=False).iter_chunk_files())
+    for name in ("[bold]notes", "esc\x1b[31mred"):
+        Path(chunk).with_name(name).write_text("not gdskv's")
+    info = run("--store", str(root), "info")
+    assert info.exit_code == 0 and f"store   {root}  " in info.stdout, info.output
+    evict = run("--store", str(root), "evict", "--dry-run", "--max-bytes", "0")
+    assert evict.exit_code == 0 and chunk in evict.stdout, evict.output
+    verify = run("--store", str(root), "verify")
+    assert verify.exit_code == 0, verify.output
+    assert "[bold]notes" in verify.stdout and "esc\\x1b[31mred" in verify.stdout and "\x1b" not in verify.stdout
