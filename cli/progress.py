@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from gdskv.cli.output import console
+from gdskv.cli.output import console, printable
 
 DEFAULT_EVERY = 10.0
 """Seconds between status lines off a terminal (``gdskv --status-every``)."""
@@ -47,9 +47,10 @@ class Work:
         self.terminal = self.err.is_terminal
         self._progress: Optional[Progress] = None
         if self.terminal and bar:
-            self._progress = Progress(TextColumn(name), BarColumn(), MofNCompleteColumn(), TextColumn(unit),
+            # markup=False: the detail names a prompt file, whose path may hold '[' (a closing tag to rich)
+            self._progress = Progress(TextColumn(name, markup=False), BarColumn(), MofNCompleteColumn(), TextColumn(unit, markup=False),
                                       TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), TimeElapsedColumn(),
-                                      TextColumn("{task.fields[detail]}"), console=self.err)
+                                      TextColumn("{task.fields[detail]}", markup=False), console=self.err)
             self._task = self._progress.add_task(name, total=total, rate="", detail="")
         self._stop = threading.Event()
         self._ticker: Optional[threading.Thread] = None
@@ -82,7 +83,7 @@ class Work:
 
     def _describe(self) -> str:
         try:
-            return self.detail() if self.detail is not None else ""
+            return printable(self.detail()) if self.detail is not None else ""
         except Exception as e:  # a progress line must never break the work it reports on
             return f"({type(e).__name__})"
 

@@ -406,6 +406,22 @@ def test_progress_off_a_terminal_is_a_periodic_status_line(capsys: pytest.Captur
     assert re.fullmatch(r"verify: \d+/10 chunks \(\d+%\), [\d.]+ chunks/s, \dm\d\ds left, 0m00s so far; group 0", lines[-1]), lines
 
 
+def test_progress_bar_on_a_terminal_shows_a_prompt_path_as_it_is(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A prompt file under a directory named ``k[`` is ``k[/x]/p.txt``: on a terminal, rich took it
+    for a closing tag, and the bar's refresh thread failed with a traceback (prewarm too, exit 1)."""
+    import time
+
+    from gdskv.cli.progress import Work
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich takes stderr for a terminal: the bar, not status lines
+    with Work("prewarm", 2, "prompts", every=0.05, detail=lambda: "k[/x]/p.txt#1 \x1b[31m") as work:
+        time.sleep(0.6)
+        work.advance()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "k[/x]/p.txt#1 \\x1b[31m" in err, err
+
+
 # --- plots -----------------------------------------------------------------------------------------
 def test_stats_plot_draws_hit_rate_and_bytes_over_time(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
