@@ -257,3 +257,16 @@ def test_reports_show_paths_as_they_are_never_as_markup_or_terminal_codes(tmp_pa
     verify = run("--store", str(root), "verify")
     assert verify.exit_code == 0, verify.output
     assert "[bold]notes" in verify.stdout and "esc\\x1b[31mred" in verify.stdout and "\x1b" not in verify.stdout
+
+
+def test_prewarm_into_a_store_it_may_not_write_says_it_is_a_store(store, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hello")
+    os.chmod(store, 0o500)
+    try:
+        res = unprivileged("--store", str(store), "prewarm", str(prompt))
+    finally:
+        os.chmod(store, 0o700)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        f"Error: {store} is a gdskv store this process cannot write (Permission denied); refusing to use it. "
+        "Pass --store PATH or set GDSKV_STORE."], res.stderr

@@ -126,8 +126,9 @@ def check_store(cfg: GdsKvConfig) -> None:
         if root.exists() and not root.is_dir():
             raise UsageProblem(f"{root} is not a gdskv store (it is a file, not a directory); refusing to use it. {STORE_HINT}")
         PageStore.open(root, create=True)
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        if not os.access(root, os.W_OK | os.X_OK):  # a store already, on a read-only mount or not ours to write
+            why = os.strerror(errno.EROFS if os.statvfs(root).f_flag & os.ST_RDONLY else errno.EACCES)
+            raise UsageProblem(f"{root} is a gdskv store this process cannot write ({why}); refusing to use it. {STORE_HINT}")
     except StoreError as e:
         raise UsageProblem(f"{e}. {STORE_HINT}") from None
     except (OSError, ValueError) as e:  # ValueError: an unreadable zarr.json
