@@ -5,9 +5,11 @@ gdskv store). ``UsageProblem`` carries the 2.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import os
 import re
 import time
 from collections import Counter
@@ -50,7 +52,15 @@ def open_existing(ctx: click.Context) -> tuple[GdsKvConfig, PageStore]:
     except StoreUnreadable as e:
         raise click.ClickException(str(e)) from None
     except (StoreError, OSError) as e:
-        raise store_refused(str(e) if root.exists() else f"{root} is not a gdskv store (it does not exist)") from None
+        raise store_refused(str(e) if os.path.exists(root) else f"{root} is not a gdskv store ({_absent(e)})") from None
+
+
+def _absent(e: Exception) -> str:
+    """Why ``open_existing`` found no store where none exists: it does not, or (an ``OSError``
+    other than a missing path: a name too long for the file system) the system's reason."""
+    if isinstance(e, OSError) and e.errno not in (None, errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+        return e.strerror or str(e)
+    return "it does not exist"
 
 
 def store_refused(why: str) -> UsageProblem:

@@ -270,3 +270,10 @@ def test_prewarm_into_a_store_it_may_not_write_says_it_is_a_store(store, tmp_pat
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         f"Error: {store} is a gdskv store this process cannot write (Permission denied); refusing to use it. "
         "Pass --store PATH or set GDSKV_STORE."], res.stderr
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "gc"])
+def test_a_store_path_with_a_name_too_long_is_refused_as_a_usage_error(tmp_path, command):
+    root = tmp_path / ("a" * 300)
+    line = one_line_error(run("--store", str(root), command), 2)
+    assert "is not a gdskv store (File name too long)" in line and not os.path.lexists(root)
