@@ -62,7 +62,11 @@ def _evict(ctx: click.Context, max_bytes: Optional[str], older_than: Optional[st
         limits = Limits.of(cfg)
         if not limits.active:
             raise UsageProblem("nothing to evict against: give --max-bytes and/or --older-than, or set max_bytes / min_free_* in the config")
-    table = scan_store(store, selected_ids(store, namespace))
+    with failures_logged("gdskv.eviction.index") as unsaved:  # a read-only store: one line, not one per array
+        table = scan_store(store, selected_ids(store, namespace))
+    if unsaved.reasons:
+        make_console(stderr=True).print(f"evict: the eviction index could not be saved ({unsaved.summary()}); "
+                                        "the next run reads every chunk's parent again")
     before = table.total_bytes
     now = time.time_ns()  # chunks a server's lookup leased to a pending load stay
     by_size = select_victims(table, shortfall(limits, before, fs_total, fs_free), now_ns=now)

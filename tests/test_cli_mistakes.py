@@ -277,3 +277,17 @@ def test_a_store_path_with_a_name_too_long_is_refused_as_a_usage_error(tmp_path,
     root = tmp_path / ("a" * 300)
     line = one_line_error(run("--store", str(root), command), 2)
     assert "is not a gdskv store (File name too long)" in line and not os.path.lexists(root)
+
+
+def test_evict_on_a_store_whose_index_it_may_not_write_says_so_once(store):
+    index = store / ".gdskv" / "index"
+    shutil.rmtree(index, ignore_errors=True)
+    index.mkdir(parents=True)
+    os.chmod(index, 0o500)
+    try:
+        res = unprivileged("--store", str(store), "evict", "--dry-run", "--max-bytes", "0")
+    finally:
+        os.chmod(index, 0o700)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "evict: the eviction index could not be saved (Permission denied); the next run reads every chunk's parent again"], res.stderr
