@@ -537,6 +537,30 @@ def test_a_budget_without_limits_admits_every_save_and_journals_it(rig: _Rig) ->
     assert catalog.totals(rig.store).chunks == 40  # journaled as a budget's saves are
 
 
+def test_bring_up_without_limits_does_not_wait_for_the_count(rig: _Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing a process without a limit does depends on the count: its bring-up never waits for
+    one, however long the index takes (a store without one is walked)."""
+    counting = threading.Event()
+    release = threading.Event()
+    real = catalog.totals
+
+    def slow_totals(store: PageStore) -> catalog.Summary:
+        counting.set()
+        release.wait(60)
+        return real(store)
+
+    monkeypatch.setattr(catalog, "totals", slow_totals)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root)),
+                                                        wait_seconds=60), done.set()))
+    t.start()
+    try:
+        assert counting.wait(10) and done.wait(10)
+    finally:
+        release.set()
+        t.join()
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_ops(), budget_chunks=st.integers(2, 10))
 def test_property_real_store(ops: list[tuple], budget_chunks: int) -> None:

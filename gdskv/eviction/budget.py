@@ -452,8 +452,8 @@ class Budget:
 def install_budget(store: PageStore, cfg: GdsKvConfig, wait_seconds: float = 0.5) -> Budget:
     """Set ``store.budget`` with the config's ``max_bytes`` / ``min_free_bytes`` /
     ``min_free_percent``, and return it. The store is counted from its chunk index on a
-    background thread; bring-up waits at most ``wait_seconds`` for that (an index is read in
-    milliseconds; a store without one is walked meanwhile, saves held to the conservative
+    background thread; with a limit, bring-up waits at most ``wait_seconds`` for that (an index is
+    read in milliseconds; a store without one is walked meanwhile, saves held to the conservative
     estimate until the walk is done). Without a limit the budget admits every save and journals
     it all the same: a process that saved without journaling left its chunks out of
     ``gdskv info``, the metrics and every other process's budget until the daily walk.
@@ -467,5 +467,6 @@ def install_budget(store: PageStore, cfg: GdsKvConfig, wait_seconds: float = 0.5
     budget = Budget(store, limits)
     store.budget = budget
     budget.start_background()
-    budget.counted.wait(wait_seconds)
+    if limits.active:  # without a limit nothing waits on the count
+        budget.counted.wait(wait_seconds)
     return budget
