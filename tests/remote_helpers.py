@@ -85,6 +85,102 @@ class SilentEndpoint:
             c.close()
 
 
+class FaultyProxy:
+    """A real HTTP proxy on 127.0.0.1 in front of ``upstream`` (the moto server) that answers some
+    requests itself: ``fault(method, path_and_query, headers)`` returns None to forward the request
+    as it is, or one of ``"503"`` (a ``SlowDown`` error, as S3 sends under load), ``"500"``,
+    ``"reset"`` (the connection dropped before any answer), ``"stall"`` (no answer until the
+    client gives up), ``"cut"`` (the upstream's status and headers, then half the body, then the
+    connection closed). ``requests`` lists every request seen as (method, path_and_query, user agent)."""
+
+    def __init__(self, upstream: str, fault: Any = None) -> None:
+        import http.client
+        import http.server
+        import urllib.parse
+
+        self.fault = fault or (lambda method, path, headers: None)
+        self.requests: list[tuple[str, str, str]] = []
+        up = urllib.parse.urlsplit(upstream)
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                proxy.requests.append((self.command, self.path, self.headers.get("User-Agent", "")))
+                what = proxy.fault(self.command, self.path, self.headers)
+                if what == "reset":
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    self.close_connection = True
+                    return
+                if what == "stall":
+                    time.sleep(30)
+                    self.close_connection = True
+                    return
+                if what in ("500", "503"):
+                    code = "SlowDown" if what == "503" else "InternalError"
+                    err = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+                    self.send_response(int(what))
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(err)))
+                    self.end_headers()
+                    self.wfile.write(err)
+                    return
+                conn = http.client.HTTPConnection(up.hostname, up.port, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body or None, headers=dict(self.headers.items()))
+                    r = conn.getresponse()
+                    data = r.read()
+                finally:
+                    conn.close()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length", "date", "server"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if what == "cut":
+                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def first(n: int, matches: Any, what: str) -> Any:
+    """A ``FaultyProxy`` fault: ``what`` for the first ``n`` requests for which
+    ``matches(method, path, headers)`` holds, then every request forwarded."""
+    left = [n]
+    lock = threading.Lock()
+
+    def fault(method: str, path: str, headers: Any) -> Optional[str]:
+        if not matches(method, path, headers):
+            return None
+        with lock:
+            if left[0] <= 0:
+                return None
+            left[0] -= 1
+            return what
+
+    return fault
+
+
 def remote_table(endpoint: str, prefix: str = "kv", **extra: Any) -> dict[str, Any]:
     return {"url": f"s3://{BUCKET}/{prefix}", "endpoint": endpoint, "region": "us-east-1", **extra}
 

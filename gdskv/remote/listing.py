@@ -11,7 +11,8 @@ bucket can put one, and gdskv itself never names an object so.
 credentials, the keys exactly as the server sends them (``encoding-type=url``, so no key can
 break the XML). Keys obstore cannot address (``addressable``) are left out and handed to the
 caller's ``unaddressable``; the rest are listed as obstore lists them. The common case (no such
-key) stays obstore's alone: its own credential chain, retries and connection pool.
+key) stays obstore's alone: its own credential chain, retries and connection pool. ``list_raw``
+tries a page again where it got no answer (``_Signer.get``), as obstore retries its own requests.
 
 Called by ``gdskv.remote.client.ObjectClient.list`` only.
 """
@@ -22,6 +23,7 @@ import hashlib
 import hmac
 import http.client
 import os
+import random
 import time
 import urllib.error
 import urllib.parse
@@ -30,6 +32,13 @@ import xml.etree.ElementTree as ET
 from typing import Callable, Iterator, Optional
 
 from gdskv.remote.client import ObjectClient, ObjectInfo, Outcome, RemoteUnavailable, _classify, _first_line
+
+LIST_ATTEMPTS = 3
+"""Tries of one ListObjectsV2 page that gets no answer (``_Signer.get``)."""
+LIST_BACKOFF_S = 0.1
+"""The pause before the second try, doubled before each next (with jitter: half to all of it)."""
+LIST_MAX_BACKOFF_S = 1.0
+"""The longest pause between two tries."""
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _UNRESERVED = "-_.~"  # RFC 3986: what SigV4's canonical query leaves unencoded
@@ -136,7 +145,26 @@ class _Signer:
                                     f"and listing on needs AWS credentials in the environment or boto3", Outcome.REFUSED)
 
     def get(self, params: dict[str, str], timeout: float) -> ET.Element:
-        """The parsed answer to ``GET <bucket>?<params>``; ``RemoteUnavailable`` for any other answer."""
+        """The parsed answer to ``GET <bucket>?<params>``, tried again where it got no answer
+        (a 5xx such as 503 ``SlowDown``, 408, 429, a reset, a timeout, a body cut short) as
+        obstore retries its own requests: at most ``LIST_ATTEMPTS`` tries, each within
+        ``timeout``, backing off between them, and none started later than ``timeout`` after
+        the first (so one page costs at most about twice ``timeout``). ``RemoteUnavailable``
+        for any other answer, or the last try's failure. Called by ``list_raw`` for each page."""
+        start, attempt = time.monotonic(), 1
+        while True:
+            try:
+                return self._get_once(params, timeout)
+            except RemoteUnavailable as e:
+                pause = random.uniform(0.5, 1.0) * min(LIST_MAX_BACKOFF_S, LIST_BACKOFF_S * 2 ** (attempt - 1))
+                if (e.outcome is not Outcome.UNREACHABLE or attempt >= LIST_ATTEMPTS
+                        or time.monotonic() + pause - start > timeout):
+                    raise
+            time.sleep(pause)
+            attempt += 1
+
+    def _get_once(self, params: dict[str, str], timeout: float) -> ET.Element:
+        """One try of ``get``."""
         query = "&".join(f"{_quote(k)}={_quote(v)}" for k, v in sorted(params.items()))
         headers = self._headers(query)
         try:
