@@ -197,7 +197,8 @@ def verify(ctx: click.Context, namespace: Optional[str], as_json: bool) -> None:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(rep["reasons"].items()))
         out.print(f"checked {rep['checked']} objects in {cfg.remote.url}: {rep['ok']} ok, {rep['bad']} bad"
                   + (f" ({reasons})" if reasons else "")
-                  + (f"; {skipped_keys(rep['unaddressable'])}" if rep["unaddressable"] else ""))
+                  + (f"; {skipped_keys(rep['unaddressable'])}" if rep["unaddressable"] else "")
+                  + (f"; remote unreachable: {rep['unreachable']}" if rep["unreachable"] else ""))
 
     run(ctx, show)
     if bad:

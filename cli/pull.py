@@ -8,7 +8,9 @@ block key, its place in the array, size, checksum, MAC where a chunk key is conf
 is published into the local store atomically; a bad object is counted and left out. Namespaces
 come from the bucket's ``zarr.json`` documents (created locally when new). Keys no client can
 address are left out of the listings and counted (``unaddressable``: not gdskv's, so no failure).
-Exit codes: 0 pulled, 1 bad objects or failures, 2 usage (no ``[gdskv.remote]``).
+Once a request gets no answer (the remote hung, gone, in a 503 storm), nothing more is asked: the
+rest count ``unreachable`` and the line says why. Exit codes: 0 pulled, 1 bad objects or failures
+(the remote unreachable included), 2 usage (no ``[gdskv.remote]``).
 """
 from __future__ import annotations
 
@@ -52,11 +54,12 @@ def pull(ctx: click.Context, namespace: Optional[str], prompts: tuple[str, ...],
     failed = sum(v for k, v in counts.items() if k not in ("pulled", "present"))
     if as_json:
         print_json({"remote": cfg.remote.url, "store": str(store.root), "counts": counts,
-                    "unaddressable": len(rep.unaddressable)})
+                    "unaddressable": len(rep.unaddressable), "unreachable": rep.unreachable or None})
     else:
         console().print(f"pulled {counts.get('pulled', 0)} chunk(s) from {cfg.remote.url} into {store.root}; "
                         f"{counts.get('present', 0)} already here"
                         + "".join(f", {v} {k}" for k, v in counts.items() if k not in ("pulled", "present"))
-                        + (f"; {skipped_keys(len(rep.unaddressable))}" if rep.unaddressable else ""), highlight=False)
+                        + (f"; {skipped_keys(len(rep.unaddressable))}" if rep.unaddressable else "")
+                        + (f"; remote unreachable: {rep.unreachable}" if rep.unreachable else ""), highlight=False)
     if failed:
         ctx.exit(1)

@@ -3,12 +3,21 @@ connections reset or cut, an endpoint that stops answering mid-operation. Faults
 ``remote_helpers.FaultyProxy``, a real HTTP proxy between the client and moto's S3 server."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
+import torch
+from click.testing import CliRunner
 
-from gdskv.config import RemoteConfig
+from gdskv.cli.main import main
+from gdskv.config import GdsKvConfig, RemoteConfig
+from gdskv.keys import chain_keys
 from gdskv.remote import ObjectClient, Outcome, RemoteUnavailable
+from gdskv.remote.copy import pull, push, verify_remote
+from gdskv.service import KvService
+from gdskv.store import GroupSpec, NamespaceSpec, PageStore
+from gdskv.transfer import SaveStatus
 from remote_helpers import BUCKET, FaultyProxy, first, remote_table
 
 pytestmark = pytest.mark.usefixtures("aws_credentials")
@@ -76,4 +85,80 @@ def test_the_own_lister_gives_up_after_a_few_tries_within_its_timeout(endpoint, 
         assert took < 2 * client.request_timeout + 1, took  # the retry window is the request timeout
     finally:
         client.close()
+        proxy.close()
+
+
+# --- an endpoint that stops answering in the middle of a pull or verify ----------------------------
+
+SPEC = NamespaceSpec("remote-faults", "float16", 4, (GroupSpec(0, 256, (0,)),))
+
+
+def bucket_of(tmp_path, endpoint, prefix: str, n: int) -> list[bytes]:
+    """A store of ``n`` chained blocks, pushed under ``prefix``; their keys."""
+    keys = chain_keys(list(range(n * 4 + 1)), 4)
+    a = KvService(GdsKvConfig(store_path=str(tmp_path / "a"), remote=remote_table(endpoint.url, prefix, upload="off")), SPEC)
+    g = torch.Generator().manual_seed(3)
+    futs = [a.save(0, k, keys[i - 1] if i else None, [torch.randint(0, 256, (256,), dtype=torch.uint8, generator=g)])
+            for i, k in enumerate(keys)]
+    assert all(f.result(timeout=60) is SaveStatus.PUBLISHED for f in futs)
+    a.close()
+    up = ObjectClient(RemoteConfig(**remote_table(endpoint.url, prefix)))
+    try:
+        assert push([a.namespace], up, up.rc, None).counts["remote_uploaded"] == n
+    finally:
+        up.close()
+    return keys
+
+
+def chunk_get(method: str, path: str, headers) -> bool:
+    return method == "GET" and "/c/" in path
+
+
+@pytest.mark.parametrize("what", ["pull", "verify"])
+def test_a_pull_or_verify_stops_once_the_endpoint_stops_answering(tmp_path, endpoint, prefix, what):
+    """The endpoint hangs after the listing (every chunk GET stalls): the pull (or ``verify
+    --remote``) ends after the requests in flight time out, counting every chunk unreachable,
+    instead of waiting out each batch of 256 in turn (19 s here, for 300 chunks and a 1 s request
+    timeout; up to a minute a batch for the CLI's 30 s: hours for a large bucket)."""
+    n = 300
+    bucket_of(tmp_path, endpoint, prefix, n)
+    proxy = FaultyProxy(endpoint.url, lambda m, p, h: "stall" if chunk_get(m, p, h) else None)
+    client = ObjectClient(RemoteConfig(**remote_table(proxy.url, prefix, timeout="1s")), request_timeout=1.0)
+    try:
+        t0 = time.monotonic()
+        if what == "pull":
+            rep = pull(PageStore.open(tmp_path / "b", create=True), client, None)
+            counts, unreachable = dict(rep.counts), rep.unreachable
+        else:
+            rep = verify_remote(client, None)
+            counts, unreachable = rep["reasons"], rep["unreachable"]
+        took = time.monotonic() - t0
+        assert counts == ({"present": 0, "unreachable": n} if what == "pull" else {"unreachable": n})
+        assert took < 8, took
+        assert len([r for r in proxy.requests if chunk_get(r[0], r[1], {})]) <= 2 * client.rc.concurrency
+        assert "timed out" in unreachable or "error" in unreachable.lower(), unreachable
+    finally:
+        client.close()
+        proxy.close()
+
+
+def test_gdskv_pull_from_a_bucket_in_a_slowdown_storm_says_so_in_one_line(tmp_path, endpoint, prefix, monkeypatch):
+    """Every chunk GET answered 503 SlowDown: ``gdskv pull`` stops asking once the remote does
+    not answer (before, it asked for every chunk of the bucket, twice with obstore's retry), says
+    in its one line that the remote was unreachable, and exits 1."""
+    n = 300
+    bucket_of(tmp_path, endpoint, prefix, n)
+    proxy = FaultyProxy(endpoint.url, lambda m, p, h: "503" if chunk_get(m, p, h) else None)
+    config = tmp_path / "gdskv.toml"
+    config.write_text(f'[gdskv]\n[gdskv.remote]\nurl = "s3://{BUCKET}/{prefix}"\nendpoint = "{proxy.url}"\n')
+    monkeypatch.setenv("GDSKV_CONFIG", str(config))
+    try:
+        r = CliRunner().invoke(main, ["--store", str(tmp_path / "b"), "pull"], catch_exceptions=False)
+        assert r.exit_code == 1, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
+        assert f"{n} unreachable" in r.output and "remote unreachable:" in r.output and "SlowDown" in r.output, r.output
+        assert len([q for q in proxy.requests if chunk_get(q[0], q[1], {})]) <= 4 * 16
+        r = CliRunner().invoke(main, ["--store", str(tmp_path / "b"), "pull", "--json"], catch_exceptions=False)
+        assert r.exit_code == 1 and "SlowDown" in json.loads(r.output)["unreachable"]
+    finally:
         proxy.close()

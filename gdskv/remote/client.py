@@ -192,7 +192,8 @@ class ObjectClient:
             return _classify(e, writing=True)
 
     def get_many(self, keys: Sequence[str], timeout: float, then: Optional[Callable[[int, Reply], Any]] = None,
-                 in_order: bool = False, max_bytes: Optional[int] = None) -> list[Any]:
+                 in_order: bool = False, max_bytes: Optional[int] = None,
+                 stop: Optional[Callable[[], bool]] = None) -> list[Any]:
         """GET every key (``concurrency`` in flight, started in the order given); what has not
         answered within ``timeout`` seconds is ``UNREACHABLE`` ("timed out"). With ``then``,
         each reply is handed to ``then(index, reply)`` on a worker thread as soon as it arrives
@@ -200,32 +201,42 @@ class ObjectClient:
         list holds what ``then`` returned, or the timed-out reply where it had not returned by
         the deadline. ``in_order``: once ``then`` returns something false for a key, keys after
         it whose request has not started are not asked (their entry is None). ``max_bytes``:
-        as ``get_async``'s, for every key."""
+        as ``get_async``'s, for every key. ``stop``: asked after each ``then``; once it is true,
+        keys whose request has not started are not asked (None) and requests in flight are
+        abandoned (the timed-out reply): a pull gives up on a remote that stopped answering at
+        its first reply saying so, not after every key has waited out its own timeout."""
         if not keys:
             return []
         loop = self._loop
         first_false = [len(keys)]
+        stopped = [False]
 
         async def ask(i: int, key: str) -> Optional[Reply]:
-            if i > first_false[0]:
+            if i > first_false[0] or stopped[0]:
                 return None
             return await self.get_async(key, max_bytes)
 
-        async def one(i: int, key: str) -> Any:
+        async def one(i: int, key: str, halt: asyncio.Event) -> Any:
             reply = await self._bounded(lambda: ask(i, key))
             if reply is None or then is None:
                 return reply
             out = await loop.run_in_executor(self._workers, then, i, reply)
             if in_order and not out:
                 first_false[0] = min(first_false[0], i)
+            if stop is not None and stop():
+                stopped[0] = True
+                halt.set()
             return out
 
         async def run() -> list[Any]:
-            tasks = [asyncio.ensure_future(one(i, k)) for i, k in enumerate(keys)]
-            done, pending = await asyncio.wait(tasks, timeout=max(0.0, timeout - RETURN_MARGIN * min(1.0, timeout)))
-            for t in pending:
+            halt = asyncio.Event()
+            tasks = [asyncio.ensure_future(one(i, k, halt)) for i, k in enumerate(keys)]
+            ends = [asyncio.ensure_future(asyncio.wait(tasks)), asyncio.ensure_future(halt.wait())]
+            await asyncio.wait(ends, timeout=max(0.0, timeout - RETURN_MARGIN * min(1.0, timeout)),
+                               return_when=asyncio.FIRST_COMPLETED)
+            for t in tasks + ends:
                 t.cancel()
-            return [t.result() if t in done and not t.cancelled() else Reply(Outcome.UNREACHABLE, detail="timed out")
+            return [t.result() if t.done() and not t.cancelled() else Reply(Outcome.UNREACHABLE, detail="timed out")
                     for t in tasks]
 
         return self.submit(run()).result()

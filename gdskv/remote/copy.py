@@ -24,7 +24,7 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from gdskv import format as fmt
 from gdskv.config import RemoteConfig
@@ -46,8 +46,9 @@ class _Health:
         self.detail = ""
 
     def unreachable(self, ns: Optional[Namespace], detail: str) -> None:
+        """A request got no answer: nothing more is asked; the first such answer says why."""
         self.reachable = False
-        self.detail = detail
+        self.detail = self.detail or detail
 
 
 @dataclass
@@ -171,7 +172,7 @@ def pull(store: PageStore, client: ObjectClient, auth_key: Optional[bytes],
          wanted: Optional[Callable[[RemoteNamespace], bool]] = None, blocks_of: Optional[BlocksOf] = None) -> CopyReport:
     """Fetch, verify and publish locally every remote chunk of the chosen namespaces (of
     ``blocks_of``'s blocks only, when given) that the local store lacks."""
-    report = CopyReport()
+    report, health = CopyReport(), _Health()
     skip = report.unaddressable.add
     found = inventory(client, wanted, skip) if blocks_of is None else \
         [n for n in namespaces(client, skip) if wanted is None or wanted(n)]
@@ -193,13 +194,38 @@ def pull(store: PageStore, client: ObjectClient, auth_key: Optional[bytes],
             todo = [rel for rel in rels if not _local(ns, rel)]
             report.add(ns, "present", len(rels) - len(todo))
             coming = _among(ns, group, todo)
-            for start in range(0, len(todo), GET_BATCH):
-                batch = todo[start:start + GET_BATCH]
-                took = client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=ns.chunk_nbytes(group),
-                                       then=lambda i, r: _take_pulled(ns, group, batch[i], r, auth_key, coming))
-                for outcome in took:
-                    report.add(ns, outcome.outcome.value if isinstance(outcome, Reply) else outcome)
+            for _, outcome in fetch(client, todo, ns.chunk_nbytes(group), health,
+                                    lambda rel, r: _take_pulled(ns, group, rel, r, auth_key, coming)):
+                report.add(ns, outcome)
+    report.unreachable = health.detail
     return report
+
+
+def fetch(client: ObjectClient, rels: Sequence[str], max_bytes: int, health: _Health,
+          then: Callable[[str, Reply], Any]) -> Iterator[tuple[str, Any]]:
+    """(rel, what ``then(rel, reply)`` returned) for each object of ``rels``, ``GET_BATCH`` at a
+    time; a reply that got no answer is ``"unreachable"`` and marks ``health`` down, and from
+    then on nothing more is asked (requests in flight are abandoned): every object left is
+    ``"unreachable"`` too. A remote that stopped answering (hung, gone, a 503 storm) ends a pull
+    or a verify after one request timeout, never one per batch. Called by ``pull`` and
+    ``verify_remote``."""
+    unreachable = Outcome.UNREACHABLE.value
+
+    def settle(batch: Sequence[str], i: int, r: Reply) -> tuple[Any]:  # in a tuple: not None, as a key not asked is
+        if r.outcome is Outcome.UNREACHABLE:
+            health.unreachable(None, r.detail)
+            return (unreachable,)
+        return (then(batch[i], r),)
+
+    for start in range(0, len(rels), GET_BATCH):
+        batch = rels[start:start + GET_BATCH]
+        took = [None] * len(batch) if not health.reachable else \
+            client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=max_bytes,
+                            then=lambda i, r: settle(batch, i, r), stop=lambda: not health.reachable)
+        for rel, t in zip(batch, took):
+            if isinstance(t, Reply) and t.outcome is Outcome.UNREACHABLE:
+                health.unreachable(None, t.detail)
+            yield rel, t[0] if isinstance(t, tuple) else unreachable
 
 
 def _among(ns: Namespace, group: int, rels: Sequence[str]) -> Callable[[bytes], bool]:
@@ -247,6 +273,7 @@ def verify_remote(client: ObjectClient, auth_key: Optional[bytes],
     """GET and check every chunk object of the chosen namespaces; counts per reason, the bad
     ones, and the keys the listings left out (``unaddressable_keys``: not checked, not bad)."""
     counts: Counter = Counter()
+    health = _Health()
     bad: list[dict[str, Any]] = []
     unaddressable: set[str] = set()
     for n in inventory(client, wanted, unaddressable.add):
@@ -262,19 +289,16 @@ def verify_remote(client: ObjectClient, auth_key: Optional[bytes],
                 counts["unknown-group"] += len(keys)
                 bad += [{"namespace": n.id, "group": group, "key": rel, "reason": "unknown-group"} for rel in keys]
                 continue
-            for start in range(0, len(keys), GET_BATCH):
-                batch = keys[start:start + GET_BATCH]
-                took = client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=ns.chunk_nbytes(group),
-                                       then=lambda i, r: r.outcome.value if r.outcome is not Outcome.OK
-                                       else check_object(ns, group, batch[i], r.data, auth_key)[0])
-                for rel, why in zip(batch, took):
-                    why = why.outcome.value if isinstance(why, Reply) else why
-                    counts[why or "ok"] += 1
-                    if why is not None:
-                        bad.append({"namespace": n.id, "group": group, "key": rel, "reason": why})
+            for rel, why in fetch(client, keys, ns.chunk_nbytes(group), health,
+                                  lambda rel, r: r.outcome.value if r.outcome is not Outcome.OK
+                                  else check_object(ns, group, rel, r.data, auth_key)[0]):
+                counts[why or "ok"] += 1
+                if why is not None:
+                    bad.append({"namespace": n.id, "group": group, "key": rel, "reason": why})
     return {"checked": sum(counts.values()), "ok": counts["ok"], "bad": len(bad),
             "reasons": {k: v for k, v in counts.items() if k != "ok"}, "bad_objects": bad,
-            "unaddressable": len(unaddressable), "unaddressable_keys": sorted(unaddressable)}
+            "unaddressable": len(unaddressable), "unaddressable_keys": sorted(unaddressable),
+            "unreachable": health.detail}
 
 
 class _Detached(Namespace):
