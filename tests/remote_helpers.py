@@ -88,7 +88,8 @@ class SilentEndpoint:
 class FaultyProxy:
     """A real HTTP proxy on 127.0.0.1 in front of ``upstream`` (the moto server) that answers some
     requests itself: ``fault(method, path_and_query, headers)`` returns None to forward the request
-    as it is, or one of ``"503"`` (a ``SlowDown`` error, as S3 sends under load), ``"500"``,
+    as it is, or one of ``"503"`` (a ``SlowDown`` error, as S3 sends under load), ``"500"``, any
+    ``"<status> <S3 error code>"``,
     ``"reset"`` (the connection dropped before any answer), ``"stall"`` (no answer until the
     client gives up), ``"cut"`` (the upstream's status and headers, then half the body, then the
     connection closed). ``requests`` lists every request seen as (method, path_and_query, user agent)."""
@@ -121,10 +122,11 @@ class FaultyProxy:
                     time.sleep(30)
                     self.close_connection = True
                     return
-                if what in ("500", "503"):
-                    code = "SlowDown" if what == "503" else "InternalError"
+                if what and what[0].isdigit():
+                    status, _, code = what.partition(" ")
+                    code = code or {"503": "SlowDown"}.get(status, "InternalError")
                     err = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
-                    self.send_response(int(what))
+                    self.send_response(int(status))
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(err)))
                     self.end_headers()

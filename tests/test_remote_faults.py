@@ -162,3 +162,60 @@ def test_gdskv_pull_from_a_bucket_in_a_slowdown_storm_says_so_in_one_line(tmp_pa
         assert r.exit_code == 1 and "SlowDown" in json.loads(r.output)["unreachable"]
     finally:
         proxy.close()
+
+
+# --- wrong settings: a bucket, credentials or a region the endpoint does not take ------------------
+
+def enforce_auth(endpoint, after: str) -> None:
+    """moto checks every request's signature against its IAM users from the ``after``-th request on
+    ("inf": never): the test credentials are then unknown to it (``InvalidAccessKeyId``)."""
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint.url}/moto-api/reset-auth", data=after.encode(),
+                                                  headers={"Content-Type": "text/plain"})).close()
+
+
+@pytest.mark.parametrize("mistake", ["bucket", "credentials", "region"])
+def test_wrong_settings_are_named_by_the_cli_and_warned_once_by_a_serving_node(tmp_path, endpoint, prefix, monkeypatch,
+                                                                             caplog, mistake):
+    """A bucket the endpoint lacks, credentials it does not know, a region that is not the
+    bucket's: ``gdskv pull`` fails in one line that names what to check, and a serving node whose
+    reads are all refused warns once, naming it too (its reads are misses). Before, the CLI gave
+    the S3 code alone, and the serving node said nothing: its reads of a missing bucket were
+    plain misses, a refused read only a counter."""
+    import logging
+
+    keys = bucket_of(tmp_path, endpoint, prefix, 3)
+    url, upstream, proxy = f"s3://{BUCKET}/{prefix}", endpoint.url, None
+    if mistake == "bucket":
+        url = f"s3://no-such-bucket/{prefix}"
+    if mistake == "region":  # as AWS S3 answers a request signed for another region
+        proxy = FaultyProxy(endpoint.url, lambda m, p, h: "400 AuthorizationHeaderMalformed")
+        upstream = proxy.url
+    setting = {"bucket": "remote.url", "credentials": "AWS_ACCESS_KEY_ID", "region": "remote.region"}[mistake]
+    config = tmp_path / "gdskv.toml"
+    config.write_text(f'[gdskv]\n[gdskv.remote]\nurl = "{url}"\nendpoint = "{upstream}"\n')
+    monkeypatch.setenv("GDSKV_CONFIG", str(config))
+    if mistake == "credentials":
+        enforce_auth(endpoint, "0")
+    try:
+        r = CliRunner().invoke(main, ["--store", str(tmp_path / "b"), "pull"], catch_exceptions=False)
+        assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+        assert setting in r.output, r.output
+        remote = remote_table(upstream, prefix, url=url, upload="off")
+        node = KvService(GdsKvConfig(store_path=str(tmp_path / "c"), remote=remote), SPEC, transfers=False)
+        tokens = list(range(3 * 4 + 1))
+        with caplog.at_level(logging.WARNING, logger="gdskv.remote.tier"):
+            assert node.lookup(tokens, None).num_new_tokens == 0
+            assert node.lookup(tokens[:-1] + [99, 98, 97, 96, 95], None).num_new_tokens == 0
+        counters = node.remote.counters
+        assert not node.namespace.contains_many(0, keys)[0]
+        node.close()
+        warnings = [rec.getMessage() for rec in caplog.records if rec.name == "gdskv.remote.tier"]
+        assert len(warnings) == 1 and setting in warnings[0], warnings
+        assert counters["remote_refused"] >= 1 and counters["remote_hits"] == 0
+    finally:
+        if mistake == "credentials":
+            enforce_auth(endpoint, "inf")
+        if proxy is not None:
+            proxy.close()

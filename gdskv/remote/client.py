@@ -85,8 +85,9 @@ def _classify(e: BaseException, writing: bool = False) -> Reply:
 
     if isinstance(e, (ox.AlreadyExistsError, ox.PreconditionError)):
         return Reply(Outcome.EXISTS)
-    if isinstance(e, FileNotFoundError):
-        return Reply(Outcome.REFUSED, detail=_first_line(e)) if writing else Reply(Outcome.MISSING)
+    if isinstance(e, FileNotFoundError):  # a missing object; or the bucket itself, which is a setting's mistake
+        missing_bucket = "<Code>NoSuchBucket</Code>" in str(e)
+        return Reply(Outcome.REFUSED, detail=_first_line(e)) if writing or missing_bucket else Reply(Outcome.MISSING)
     if isinstance(e, (ox.PermissionDeniedError, ox.UnauthenticatedError, ox.InvalidPathError, ox.NotSupportedError)):
         return Reply(Outcome.REFUSED, detail=_first_line(e))
     if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
@@ -98,11 +99,30 @@ def _classify(e: BaseException, writing: bool = False) -> Reply:
 
 
 def _first_line(e: BaseException) -> str:
-    """The exception's first line, and the S3 error code where the body names one."""
+    """The exception's first line, and the S3 error code where the body names one (``code_note``)."""
     text = str(e).strip()
     line = text.splitlines()[0] if text else ""
     code = re.search(r"<Code>(\w+)</Code>", text)
-    return f"{type(e).__name__}: {line[:240]}" + (f" [{code.group(1)}]" if code else "")
+    return f"{type(e).__name__}: {line[:240]}" + (code_note(code.group(1)) if code else "")
+
+
+SETTING_OF_CODE = {
+    "NoSuchBucket": "remote.url names a bucket the endpoint does not have",
+    "InvalidAccessKeyId": "the endpoint does not know the access key: check AWS_ACCESS_KEY_ID (or the profile)",
+    "SignatureDoesNotMatch": "the secret key is not the access key's: check AWS_SECRET_ACCESS_KEY (or the profile)",
+    "ExpiredToken": "the temporary credentials have expired: renew AWS_SESSION_TOKEN (or the role's)",
+    "InvalidToken": "the session token is not valid: check AWS_SESSION_TOKEN",
+    "AccessDenied": "the credentials may not use remote.url (docs/remote.md lists the permissions)",
+    "AuthorizationHeaderMalformed": "remote.region is not the bucket's region",
+    "PermanentRedirect": "remote.region (or remote.endpoint) is not the bucket's",
+}
+"""What to check for the S3 error codes that a wrong setting or credential causes."""
+
+
+def code_note(code: str) -> str:
+    """`` [<S3 error code>]``, with the setting to check where the code points at one
+    (``SETTING_OF_CODE``). Called by ``_first_line`` and the own lister's errors."""
+    return f" [{code}: {SETTING_OF_CODE[code]}]" if code in SETTING_OF_CODE else f" [{code}]"
 
 
 class ObjectClient:

@@ -31,7 +31,7 @@ import urllib.request
 import xml.etree.ElementTree as ET
 from typing import Callable, Iterator, Optional
 
-from gdskv.remote.client import ObjectClient, ObjectInfo, Outcome, RemoteUnavailable, _classify, _first_line
+from gdskv.remote.client import ObjectClient, ObjectInfo, Outcome, RemoteUnavailable, _classify, _first_line, code_note
 
 LIST_ATTEMPTS = 3
 """Tries of one ListObjectsV2 page that gets no answer (``_Signer.get``)."""
@@ -216,7 +216,7 @@ def _code_of(e: urllib.error.HTTPError) -> str:
         code = _text(ET.fromstring(e.read()), "Code")
     except (OSError, http.client.HTTPException, ET.ParseError):
         return ""
-    return f" [{code}]" if code else ""
+    return code_note(code) if code else ""
 
 
 def _credentials(client: ObjectClient) -> Optional[tuple[str, str, Optional[str]]]:

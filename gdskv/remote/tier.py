@@ -46,6 +46,7 @@ class RemoteTier:
         self._negative: dict[tuple[str, int, bytes], float] = {}
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._refusal_said_until = 0.0
         self.uploader: Optional[Uploader] = Uploader(self.client, rc, auth_key, self._count, self, nice=background_nice) \
             if uploads and rc.upload != "off" else None
 
@@ -63,6 +64,19 @@ class RemoteTier:
             log.warning("gdskv: remote %s (endpoint %s) unreachable (%s); serving from the local store only, "
                         "retrying in %.1f s", self.rc.url, self.rc.endpoint or "AWS S3", detail, self.rc.retry_after)
         self._count(ns, "remote_unreachable")
+
+    def refused(self, detail: str) -> None:
+        """A read was refused (credentials, permission, a bucket or region the endpoint does not
+        take, an oversized object): its block is a miss; warn at most once per ``retry_after``,
+        so that a wrong setting, which refuses every read, is said once, naming what to check.
+        Called by ``_settle`` on a client worker thread."""
+        with self._lock:
+            now = time.monotonic()
+            if now < self._refusal_said_until:
+                return
+            self._refusal_said_until = now + self.rc.retry_after
+        log.warning("gdskv: remote %s (endpoint %s) refused a read (%s); such blocks are misses", self.rc.url,
+                    self.rc.endpoint or "AWS S3", detail)
 
     def _count(self, ns: Optional[Namespace], name: str, n: int = 1) -> None:
         self.counters.add(name, n)
@@ -126,6 +140,8 @@ class RemoteTier:
         if r.outcome in (Outcome.MISSING, Outcome.REFUSED):
             self._count(ns, "remote_misses" if r.outcome is Outcome.MISSING else "remote_refused")
             self._remember_miss(ns, group, key)
+            if r.outcome is Outcome.REFUSED:
+                self.refused(r.detail)
         else:
             self.unreachable(ns, r.detail)
         return False
