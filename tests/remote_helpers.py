@@ -89,7 +89,7 @@ class FaultyProxy:
     """A real HTTP proxy on 127.0.0.1 in front of ``upstream`` (the moto server) that answers some
     requests itself: ``fault(method, path_and_query, headers)`` returns None to forward the request
     as it is, or one of ``"503"`` (a ``SlowDown`` error, as S3 sends under load), ``"500"``, any
-    ``"<status> <S3 error code>"``,
+    ``"<status> <S3 error code>"``, ``"slow"`` (forwarded after 100 ms),
     ``"reset"`` (the connection dropped before any answer), ``"stall"`` (no answer until the
     client gives up), ``"cut"`` (the upstream's status and headers, then half the body, then the
     connection closed). ``requests`` lists every request seen as (method, path_and_query, user agent)."""
@@ -101,6 +101,9 @@ class FaultyProxy:
 
         self.fault = fault or (lambda method, path, headers: None)
         self.requests: list[tuple[str, str, str]] = []
+        self.in_flight = self.most_in_flight = 0
+        """Requests being answered now, and the most there were at once."""
+        self._lock = threading.Lock()
         up = urllib.parse.urlsplit(upstream)
         proxy = self
 
@@ -111,9 +114,22 @@ class FaultyProxy:
                 pass
 
             def _any(self) -> None:
+                with proxy._lock:
+                    proxy.in_flight += 1
+                    proxy.most_in_flight = max(proxy.most_in_flight, proxy.in_flight)
+                try:
+                    self._answer()
+                finally:
+                    with proxy._lock:
+                        proxy.in_flight -= 1
+
+            def _answer(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 proxy.requests.append((self.command, self.path, self.headers.get("User-Agent", "")))
                 what = proxy.fault(self.command, self.path, self.headers)
+                if what == "slow":
+                    time.sleep(0.1)
+                    what = None
                 if what == "reset":
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                     self.close_connection = True

@@ -219,3 +219,31 @@ def test_wrong_settings_are_named_by_the_cli_and_warned_once_by_a_serving_node(t
             enforce_auth(endpoint, "inf")
         if proxy is not None:
             proxy.close()
+
+
+# --- a bucket whose namespace document declares huge pages -----------------------------------------
+
+@pytest.mark.parametrize("what", ["pull", "verify"])
+def test_a_pull_holds_a_bounded_number_of_bytes_in_flight(tmp_path, endpoint, prefix, monkeypatch, what):
+    """``pull`` and ``verify --remote`` take a chunk's size from the bucket's ``zarr.json``, which
+    anyone who can write to the bucket may declare as up to 4 GiB, and each object in flight is
+    held whole: ``concurrency`` of them (16 by default, up to 256) were fetched at once whatever
+    their size, up to 1 TiB held at once. Now as many are in flight as fit ``BYTES_IN_FLIGHT``
+    (at least one), here lowered to three chunks."""
+    from gdskv.remote import copy
+    from gdskv.format import TRAILER_BYTES
+
+    n = 24
+    bucket_of(tmp_path, endpoint, prefix, n)
+    monkeypatch.setattr(copy, "BYTES_IN_FLIGHT", 3 * (256 + TRAILER_BYTES))
+    proxy = FaultyProxy(endpoint.url, lambda m, p, h: "slow" if chunk_get(m, p, h) else None)
+    client = ObjectClient(RemoteConfig(**remote_table(proxy.url, prefix)))
+    try:
+        if what == "pull":
+            assert dict(pull(PageStore.open(tmp_path / "b", create=True), client, None).counts) == {"present": 0, "pulled": n}
+        else:
+            assert verify_remote(client, None)["ok"] == n
+        assert 1 <= proxy.most_in_flight <= 3, proxy.most_in_flight
+    finally:
+        client.close()
+        proxy.close()

@@ -213,7 +213,7 @@ class ObjectClient:
 
     def get_many(self, keys: Sequence[str], timeout: float, then: Optional[Callable[[int, Reply], Any]] = None,
                  in_order: bool = False, max_bytes: Optional[int] = None,
-                 stop: Optional[Callable[[], bool]] = None) -> list[Any]:
+                 stop: Optional[Callable[[], bool]] = None, in_flight: Optional[int] = None) -> list[Any]:
         """GET every key (``concurrency`` in flight, started in the order given); what has not
         answered within ``timeout`` seconds is ``UNREACHABLE`` ("timed out"). With ``then``,
         each reply is handed to ``then(index, reply)`` on a worker thread as soon as it arrives
@@ -224,7 +224,9 @@ class ObjectClient:
         as ``get_async``'s, for every key. ``stop``: asked after each ``then``; once it is true,
         keys whose request has not started are not asked (None) and requests in flight are
         abandoned (the timed-out reply): a pull gives up on a remote that stopped answering at
-        its first reply saying so, not after every key has waited out its own timeout."""
+        its first reply saying so, not after every key has waited out its own timeout.
+        ``in_flight``: at most that many of these requests at once (fewer than ``concurrency``
+        where each reply is held whole and may be large: ``gdskv.remote.copy.fetch``)."""
         if not keys:
             return []
         loop = self._loop
@@ -236,8 +238,12 @@ class ObjectClient:
                 return None
             return await self.get_async(key, max_bytes)
 
-        async def one(i: int, key: str, halt: asyncio.Event) -> Any:
-            reply = await self._bounded(lambda: ask(i, key))
+        async def one(i: int, key: str, halt: asyncio.Event, mine: Optional[asyncio.Semaphore]) -> Any:
+            if mine is None:
+                reply = await self._bounded(lambda: ask(i, key))
+            else:
+                async with mine:
+                    reply = await self._bounded(lambda: ask(i, key))
             if reply is None or then is None:
                 return reply
             out = await loop.run_in_executor(self._workers, then, i, reply)
@@ -250,7 +256,8 @@ class ObjectClient:
 
         async def run() -> list[Any]:
             halt = asyncio.Event()
-            tasks = [asyncio.ensure_future(one(i, k, halt)) for i, k in enumerate(keys)]
+            mine = asyncio.Semaphore(max(1, in_flight)) if in_flight is not None else None
+            tasks = [asyncio.ensure_future(one(i, k, halt, mine)) for i, k in enumerate(keys)]
             ends = [asyncio.ensure_future(asyncio.wait(tasks)), asyncio.ensure_future(halt.wait())]
             await asyncio.wait(ends, timeout=max(0.0, timeout - RETURN_MARGIN * min(1.0, timeout)),
                                return_when=asyncio.FIRST_COMPLETED)

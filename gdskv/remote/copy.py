@@ -36,6 +36,10 @@ from gdskv.store import NAMESPACE_ATTR, NAMESPACE_ID, Namespace, NamespaceSpec, 
 
 GET_BATCH = 256
 """Objects fetched per batch by ``pull`` and ``verify_remote``."""
+BYTES_IN_FLIGHT = 1 << 30
+"""The most bytes of chunk objects ``pull`` and ``verify_remote`` fetch at once (at least one
+object): each reply is held whole until checked, and a chunk's size comes from the bucket's
+``zarr.json``, which may declare pages of up to 4 GiB."""
 
 
 class _Health:
@@ -207,8 +211,8 @@ def fetch(client: ObjectClient, rels: Sequence[str], max_bytes: int, health: _He
     time; a reply that got no answer is ``"unreachable"`` and marks ``health`` down, and from
     then on nothing more is asked (requests in flight are abandoned): every object left is
     ``"unreachable"`` too. A remote that stopped answering (hung, gone, a 503 storm) ends a pull
-    or a verify after one request timeout, never one per batch. Called by ``pull`` and
-    ``verify_remote``."""
+    or a verify after one request timeout, never one per batch. At most ``BYTES_IN_FLIGHT`` of
+    objects of ``max_bytes`` are fetched at once. Called by ``pull`` and ``verify_remote``."""
     unreachable = Outcome.UNREACHABLE.value
 
     def settle(batch: Sequence[str], i: int, r: Reply) -> tuple[Any]:  # in a tuple: not None, as a key not asked is
@@ -217,10 +221,11 @@ def fetch(client: ObjectClient, rels: Sequence[str], max_bytes: int, health: _He
             return (unreachable,)
         return (then(batch[i], r),)
 
+    in_flight = max(1, min(client.rc.concurrency, BYTES_IN_FLIGHT // max(1, max_bytes)))
     for start in range(0, len(rels), GET_BATCH):
         batch = rels[start:start + GET_BATCH]
         took = [None] * len(batch) if not health.reachable else \
-            client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=max_bytes,
+            client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=max_bytes, in_flight=in_flight,
                             then=lambda i, r: settle(batch, i, r), stop=lambda: not health.reachable)
         for rel, t in zip(batch, took):
             if isinstance(t, Reply) and t.outcome is Outcome.UNREACHABLE:
