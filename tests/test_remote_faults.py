@@ -247,3 +247,23 @@ def test_a_pull_holds_a_bounded_number_of_bytes_in_flight(tmp_path, endpoint, pr
     finally:
         client.close()
         proxy.close()
+
+
+@pytest.mark.parametrize("command", [["pull"], ["verify", "--remote"], ["info", "--remote", "--json"]])
+def test_namespace_documents_that_get_no_answer_are_an_unreachable_remote_not_damage(tmp_path, endpoint, prefix,
+                                                                                      monkeypatch, command):
+    """The remote answers the listing, then not the GET of a namespace's ``zarr.json`` (a 503
+    storm, the endpoint going away): the command says the remote was unreachable, in one line,
+    exit 1. Before, each such namespace was reported damaged (``damaged_namespaces``, ``bad:
+    damaged namespace``) as if the bucket held a broken document."""
+    bucket_of(tmp_path, endpoint, prefix, 2)
+    proxy = FaultyProxy(endpoint.url, lambda m, p, h: "503" if m == "GET" and p.endswith("/zarr.json") else None)
+    config = tmp_path / "gdskv.toml"
+    config.write_text(f'[gdskv]\n[gdskv.remote]\nurl = "s3://{BUCKET}/{prefix}"\nendpoint = "{proxy.url}"\n')
+    monkeypatch.setenv("GDSKV_CONFIG", str(config))
+    try:
+        r = CliRunner().invoke(main, ["--store", str(tmp_path / "a"), *command], catch_exceptions=False)
+        assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+        assert "damaged" not in r.output and "unreachable" in r.output and "SlowDown" in r.output, r.output
+    finally:
+        proxy.close()

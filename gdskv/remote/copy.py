@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from gdskv import format as fmt
 from gdskv.config import RemoteConfig
 from gdskv.keys import chain_keys
-from gdskv.remote.client import ObjectClient, ObjectInfo, Outcome, Reply
+from gdskv.remote.client import ObjectClient, ObjectInfo, Outcome, RemoteUnavailable, Reply
 from gdskv.remote.objects import METADATA_MAX_BYTES, chunk_key, publish, verify
 from gdskv.remote.upload import Uploader
 from gdskv.store import NAMESPACE_ATTR, NAMESPACE_ID, Namespace, NamespaceSpec, PageStore
@@ -128,14 +128,19 @@ Unaddressable = Optional[Callable[[str], None]]
 
 
 def namespaces(client: ObjectClient, unaddressable: Unaddressable = None) -> list[RemoteNamespace]:
-    """Every namespace whose group document the bucket holds (``ns/<id>/zarr.json``)."""
+    """Every namespace whose group document the bucket holds (``ns/<id>/zarr.json``).
+    ``RemoteUnavailable`` when the listing, or a document's GET, gets no answer (an outage is
+    not a damaged namespace)."""
     out = []
     for o in client.list("ns/", unaddressable):
         parts = o.key.split("/")
         if len(parts) != 3 or parts[2] != "zarr.json" or not NAMESPACE_ID.match(parts[1]):
             continue
-        out.append(_parse_namespace(parts[1], client.get(o.key, timeout=max(client.rc.timeout, 5.0),
-                                                         max_bytes=METADATA_MAX_BYTES)))
+        reply = client.get(o.key, timeout=max(client.rc.timeout, 5.0), max_bytes=METADATA_MAX_BYTES)
+        if reply.outcome is Outcome.UNREACHABLE:
+            where = "/".join(p for p in (client.rc.bucket, client.rc.prefix, o.key) if p)
+            raise RemoteUnavailable(f"reading s3://{where}: unreachable: {reply.detail}")
+        out.append(_parse_namespace(parts[1], reply))
     return out
 
 
