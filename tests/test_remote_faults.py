@@ -267,3 +267,34 @@ def test_namespace_documents_that_get_no_answer_are_an_unreachable_remote_not_da
         assert "damaged" not in r.output and "unreachable" in r.output and "SlowDown" in r.output, r.output
     finally:
         proxy.close()
+
+
+# --- a service closed while a lookup waits on the remote ---------------------------------------------
+
+def test_a_lookup_waiting_on_the_remote_returns_when_the_service_closes(tmp_path):
+    """An engine shutting down closes the service while its scheduler's lookup waits on a remote
+    that does not answer: the lookup returns (a miss) instead of waiting forever on the stopped
+    client loop (before, its thread never returned, and an engine that joins it hung at shutdown);
+    a request made after the close answers at once."""
+    import threading
+
+    from remote_helpers import SilentEndpoint
+
+    silent = SilentEndpoint()
+    try:
+        svc = KvService(GdsKvConfig(store_path=str(tmp_path / "a"), remote=remote_table(silent.url, "p", timeout="5s")),
+                        SPEC, transfers=False)
+        client = svc.remote.client
+        found: list[int] = []
+        t = threading.Thread(target=lambda: found.append(svc.lookup(list(range(4 * 4 + 1)), None).num_new_tokens),
+                             daemon=True)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        svc.close()
+        t.join(3)
+        assert found == [0] and time.monotonic() - t0 < 3
+        assert client.get("x", timeout=5).outcome is Outcome.UNREACHABLE
+        assert client.get_many(["x"], 5)[0].outcome is Outcome.UNREACHABLE
+    finally:
+        silent.close()

@@ -25,6 +25,7 @@ import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Coroutine, Iterator, Optional, Sequence
@@ -35,6 +36,12 @@ from gdskv.config import RemoteConfig
 RETURN_MARGIN = 0.04
 """The share of a deadline (at most 40 ms of it) left for handing the answers back: requests
 still out then are abandoned, so the caller has its answer by the deadline."""
+
+
+CLOSED = "the client was closed"
+"""The detail of the ``UNREACHABLE`` replies of requests that a ``close`` cut short or came after it."""
+CLOSED_POLL_S = 0.1
+"""How often a caller waiting on a request checks whether the client was closed meanwhile."""
 
 
 class RemoteSetupError(ValueError):
@@ -266,7 +273,7 @@ class ObjectClient:
             return [t.result() if t.done() and not t.cancelled() else Reply(Outcome.UNREACHABLE, detail="timed out")
                     for t in tasks]
 
-        return self.submit(run()).result()
+        return self._answer(run(), [Reply(Outcome.UNREACHABLE, detail=CLOSED)] * len(keys))
 
     def put_create(self, key: str, data: bytes, timeout: Optional[float] = None) -> Reply:
         """Create ``key`` unless it exists (``If-None-Match: *``): ``OK`` or ``EXISTS``."""
@@ -277,13 +284,33 @@ class ObjectClient:
         return self._wait(self._bounded(lambda: self.get_async(key, max_bytes)), timeout)
 
     def _wait(self, coro: Coroutine[Any, Any, Reply], timeout: Optional[float]) -> Reply:
+        if self._closed:
+            coro.close()
+            return Reply(Outcome.UNREACHABLE, detail=CLOSED)
+
         async def run() -> Reply:
             try:
                 return await asyncio.wait_for(coro, timeout)
             except asyncio.TimeoutError:
                 return Reply(Outcome.UNREACHABLE, detail="timed out")
 
-        return self.submit(run()).result()
+        return self._answer(run(), Reply(Outcome.UNREACHABLE, detail=CLOSED))
+
+    def _answer(self, coro: Coroutine[Any, Any, Any], closed: Any) -> Any:
+        """``coro``'s result, run on the client's loop; ``closed`` where the client is closed
+        before it ends (the stopped loop would never end it: a lookup waiting on the remote while
+        the service shuts down would wait forever). Called by ``get_many`` and ``_wait``."""
+        if self._closed:
+            coro.close()
+            return closed
+        fut = self.submit(coro)
+        while True:
+            try:
+                return fut.result(timeout=CLOSED_POLL_S)
+            except FutureTimeout:
+                if self._closed and not self._thread.is_alive():
+                    fut.cancel()
+                    return closed
 
     def list(self, prefix: str = "", unaddressable: Optional[Callable[[str], None]] = None) -> Iterator[ObjectInfo]:
         """Every object under ``prefix`` (relative to the configured prefix; "" or ending in "/"),
