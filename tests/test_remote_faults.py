@@ -298,3 +298,29 @@ def test_a_lookup_waiting_on_the_remote_returns_when_the_service_closes(tmp_path
         assert client.get_many(["x"], 5)[0].outcome is Outcome.UNREACHABLE
     finally:
         silent.close()
+
+
+def test_uploads_the_remote_refuses_are_warned_once_not_per_chunk(tmp_path, endpoint, prefix, caplog):
+    """Credentials the endpoint does not know refuse every upload: a serving node says so once
+    (per ``retry_after``), naming what to check, and counts the rest. Before, it logged two
+    warnings for every chunk it saved (the namespace document, then the chunk): a log line per
+    page at the save rate."""
+    import logging
+
+    keys = chain_keys(list(range(8 * 4 + 1)), 4)
+    enforce_auth(endpoint, "0")
+    try:
+        svc = KvService(GdsKvConfig(store_path=str(tmp_path / "a"), remote=remote_table(endpoint.url, prefix,
+                                                                                       upload="through")), SPEC)
+        g = torch.Generator().manual_seed(5)
+        with caplog.at_level(logging.WARNING, logger="gdskv.remote"):
+            for i, k in enumerate(keys):
+                page = torch.randint(0, 256, (256,), dtype=torch.uint8, generator=g)
+                assert svc.save(0, k, keys[i - 1] if i else None, [page]).result(timeout=30) is SaveStatus.PUBLISHED
+            counters = svc.namespace.counters
+            svc.close()
+    finally:
+        enforce_auth(endpoint, "inf")
+    assert counters["remote_upload_refused"] == len(keys)
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("gdskv.remote") and "refused" in r.getMessage()]
+    assert len(warnings) == 1 and "AWS_ACCESS_KEY_ID" in warnings[0], warnings

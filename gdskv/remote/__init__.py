@@ -5,7 +5,8 @@
 - ``objects``: chunk object keys, verification of fetched objects, atomic local publication;
 - ``tier``: what a ``KvService`` holds: read-through at lookup, health, uploads after a save;
 - ``upload``: create-only uploads (write-behind queue, write-through, leftovers at start);
-- ``copy``: whole-namespace push / pull and bucket listings for the CLI.
+- ``copy``: whole-namespace push / pull and bucket listings for the CLI;
+- ``throttle``: warnings a wrong setting would repeat for every request, said once per spell.
 
 Imports run down: ``gdskv.service`` -> ``gdskv.remote`` -> store / format / checksum.
 """

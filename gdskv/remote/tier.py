@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 from gdskv.config import RemoteConfig
 from gdskv.remote.client import ObjectClient, Outcome, Reply
 from gdskv.remote.objects import chunk_key, publish, verify
+from gdskv.remote.throttle import Throttle
 from gdskv.remote.upload import Uploader
 from gdskv.store import Counters, Namespace
 from gdskv.transfer import SaveStatus
@@ -46,7 +47,7 @@ class RemoteTier:
         self._negative: dict[tuple[str, int, bytes], float] = {}
         self._lock = threading.Lock()
         self._down_until = 0.0
-        self._refusal_said_until = 0.0
+        self._refusals = Throttle(rc.retry_after)
         self.uploader: Optional[Uploader] = Uploader(self.client, rc, auth_key, self._count, self, nice=background_nice) \
             if uploads and rc.upload != "off" else None
 
@@ -70,11 +71,8 @@ class RemoteTier:
         take, an oversized object): its block is a miss; warn at most once per ``retry_after``,
         so that a wrong setting, which refuses every read, is said once, naming what to check.
         Called by ``_settle`` on a client worker thread."""
-        with self._lock:
-            now = time.monotonic()
-            if now < self._refusal_said_until:
-                return
-            self._refusal_said_until = now + self.rc.retry_after
+        if not self._refusals.ready():
+            return
         log.warning("gdskv: remote %s (endpoint %s) refused a read (%s); such blocks are misses", self.rc.url,
                     self.rc.endpoint or "AWS S3", detail)
 

@@ -13,7 +13,9 @@ is a Zarr hierarchy at every moment.
   lists the remote's objects of each namespace and uploads every local chunk it lacks, so what
   was queued, deferred or unreachable at shutdown goes up at the next start.
 
-A refused upload (permission, a bad request) is dropped with a counter (``remote_upload_refused``);
+A refused upload (permission, a bad request) is dropped with a counter (``remote_upload_refused``)
+and a warning at most once per ``retry_after`` (``gdskv.remote.throttle``: a wrong credential
+refuses every upload);
 one that gets no answer marks the remote down (``RemoteTier.unreachable``) and is left to the
 next start (``remote_upload_failed``). Called by ``gdskv.remote.tier`` and ``gdskv.remote.copy``.
 """
@@ -31,6 +33,7 @@ from gdskv.config import RemoteConfig
 from gdskv.priority import lower_this_thread
 from gdskv.remote.client import ObjectClient, Outcome, RemoteUnavailable
 from gdskv.remote.objects import chunk_key, metadata_keys, read_local, verify
+from gdskv.remote.throttle import Throttle
 from gdskv.store import Namespace
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,7 @@ class Uploader:
                                            initializer=lower_this_thread, initargs=(nice,))
         self._sync: Optional[threading.Thread] = None
         self._put_timeout = max(rc.timeout, UPLOAD_TIMEOUT)
+        self._refusals = Throttle(rc.retry_after)
         self.listing_refused = ""
         """Why the remote refused to list a namespace (``sync`` uploaded nothing), if it did."""
         self._missed = False
@@ -156,7 +160,9 @@ class Uploader:
             self._count(ns, "remote_upload_exists", 1)
         elif reply.outcome is Outcome.REFUSED:
             self._count(ns, "remote_upload_refused", 1)
-            log.warning("gdskv: remote refused %s (%s); dropped (it stays local)", rel, reply.detail)
+            if self._refusals.ready():
+                log.warning("gdskv: remote refused %s (%s); dropped (it stays local; further refusals for %.0f s "
+                            "are only counted, remote_upload_refused)", rel, reply.detail, self.rc.retry_after)
         else:
             self._count(ns, "remote_upload_failed", 1)
             self._missed = True
@@ -192,7 +198,9 @@ class Uploader:
                 self._health.unreachable(ns, reply.detail)
                 return reply.outcome
             if reply.outcome is not Outcome.OK and reply.outcome is not Outcome.EXISTS:
-                log.warning("gdskv: remote refused %s (%s)", rel, reply.detail)
+                if self._refusals.ready():
+                    log.warning("gdskv: remote refused %s (%s); further refusals for %.0f s are only counted "
+                                "(remote_upload_refused)", rel, reply.detail, self.rc.retry_after)
                 return reply.outcome
         with self._meta_lock:
             self._metadata_done.add(ns.id)
@@ -214,7 +222,8 @@ class Uploader:
                         self._health.unreachable(ns, str(e))
                     else:
                         self.listing_refused = str(e)
-                        log.warning("gdskv: %s; local chunks not uploaded", e)
+                        if self._refusals.ready():
+                            log.warning("gdskv: %s; local chunks not uploaded", e)
                     return sent
                 if unaddressable:
                     self._count(ns, "remote_unaddressable_keys", len(unaddressable))
