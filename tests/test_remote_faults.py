@@ -324,3 +324,26 @@ def test_uploads_the_remote_refuses_are_warned_once_not_per_chunk(tmp_path, endp
     assert counters["remote_upload_refused"] == len(keys)
     warnings = [r.getMessage() for r in caplog.records if r.name.startswith("gdskv.remote") and "refused" in r.getMessage()]
     assert len(warnings) == 1 and "AWS_ACCESS_KEY_ID" in warnings[0], warnings
+
+
+def test_a_pull_over_a_slow_link_is_given_the_time_its_bytes_need(tmp_path, endpoint, prefix, monkeypatch):
+    """Each batch of a pull had 60 s whatever its size (256 chunks of 16 MiB need 4 GiB to move:
+    70 MB/s), and a batch cut short by it now stops the pull as an unreachable remote. A batch
+    is given the time its bytes need at ``SLOWEST_RATE`` (at least ``BATCH_MIN_S``); here both are
+    scaled down, so that a link of about 3 KiB/s pulls every chunk."""
+    from gdskv.format import TRAILER_BYTES
+    from gdskv.remote import copy
+
+    n = 24
+    bucket_of(tmp_path, endpoint, prefix, n)
+    monkeypatch.setattr(copy, "BYTES_IN_FLIGHT", 256 + TRAILER_BYTES)  # one at a time: 24 x 100 ms
+    monkeypatch.setattr(copy, "BATCH_MIN_S", 1.0)
+    monkeypatch.setattr(copy, "SLOWEST_RATE", 1024)
+    proxy = FaultyProxy(endpoint.url, lambda m, p, h: "slow" if chunk_get(m, p, h) else None)
+    client = ObjectClient(RemoteConfig(**remote_table(proxy.url, prefix, timeout="1s")))
+    try:
+        rep = pull(PageStore.open(tmp_path / "b", create=True), client, None)
+        assert dict(rep.counts) == {"present": 0, "pulled": n} and not rep.unreachable
+    finally:
+        client.close()
+        proxy.close()

@@ -36,6 +36,13 @@ from gdskv.store import NAMESPACE_ATTR, NAMESPACE_ID, Namespace, NamespaceSpec, 
 
 GET_BATCH = 256
 """Objects fetched per batch by ``pull`` and ``verify_remote``."""
+BATCH_MIN_S = 60.0
+"""The least time a batch of GETs is given to end (a GET that gets no answer ends it sooner)."""
+SLOWEST_RATE = 8 << 20
+"""Bytes per second: a batch is given the time its objects need at this rate, where that is
+more than ``BATCH_MIN_S`` (256 chunks of 16 MiB: 512 s), so that large pages over a slow link
+are pulled, not cut off and taken for an unreachable remote. Fewer objects are fetched at
+once where their bytes at this rate would not fit one request's own timeout."""
 BYTES_IN_FLIGHT = 1 << 30
 """The most bytes of chunk objects ``pull`` and ``verify_remote`` fetch at once (at least one
 object): each reply is held whole until checked, and a chunk's size comes from the bucket's
@@ -217,7 +224,8 @@ def fetch(client: ObjectClient, rels: Sequence[str], max_bytes: int, health: _He
     then on nothing more is asked (requests in flight are abandoned): every object left is
     ``"unreachable"`` too. A remote that stopped answering (hung, gone, a 503 storm) ends a pull
     or a verify after one request timeout, never one per batch. At most ``BYTES_IN_FLIGHT`` of
-    objects of ``max_bytes`` are fetched at once. Called by ``pull`` and ``verify_remote``."""
+    objects of ``max_bytes`` are fetched at once, and no more than move within a request's
+    timeout at ``SLOWEST_RATE``. Called by ``pull`` and ``verify_remote``."""
     unreachable = Outcome.UNREACHABLE.value
 
     def settle(batch: Sequence[str], i: int, r: Reply) -> tuple[Any]:  # in a tuple: not None, as a key not asked is
@@ -226,11 +234,13 @@ def fetch(client: ObjectClient, rels: Sequence[str], max_bytes: int, health: _He
             return (unreachable,)
         return (then(batch[i], r),)
 
-    in_flight = max(1, min(client.rc.concurrency, BYTES_IN_FLIGHT // max(1, max_bytes)))
+    per_request = int(SLOWEST_RATE * client.request_timeout)  # what each request's own timeout lets through
+    in_flight = max(1, min(client.rc.concurrency, min(BYTES_IN_FLIGHT, per_request) // max(1, max_bytes)))
     for start in range(0, len(rels), GET_BATCH):
         batch = rels[start:start + GET_BATCH]
         took = [None] * len(batch) if not health.reachable else \
-            client.get_many(batch, timeout=max(60.0, client.rc.timeout), max_bytes=max_bytes, in_flight=in_flight,
+            client.get_many(batch, timeout=max(BATCH_MIN_S, client.rc.timeout, len(batch) * max_bytes / SLOWEST_RATE),
+                            max_bytes=max_bytes, in_flight=in_flight,
                             then=lambda i, r: settle(batch, i, r), stop=lambda: not health.reachable)
         for rel, t in zip(batch, took):
             if isinstance(t, Reply) and t.outcome is Outcome.UNREACHABLE:
