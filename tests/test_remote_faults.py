@@ -175,24 +175,26 @@ def enforce_auth(endpoint, after: str) -> None:
                                                   headers={"Content-Type": "text/plain"})).close()
 
 
-@pytest.mark.parametrize("mistake", ["bucket", "credentials", "region"])
+@pytest.mark.parametrize("mistake", ["bucket", "credentials", "region", "region-redirect"])
 def test_wrong_settings_are_named_by_the_cli_and_warned_once_by_a_serving_node(tmp_path, endpoint, prefix, monkeypatch,
                                                                              caplog, mistake):
     """A bucket the endpoint lacks, credentials it does not know, a region that is not the
-    bucket's: ``gdskv pull`` fails in one line that names what to check, and a serving node whose
-    reads are all refused warns once, naming it too (its reads are misses). Before, the CLI gave
-    the S3 code alone, and the serving node said nothing: its reads of a missing bucket were
-    plain misses, a refused read only a counter."""
+    bucket's (a 400, or a 301 without a location): ``gdskv pull`` fails in one line that names
+    what to check, and a serving node whose reads are all refused warns once, naming it too (its
+    reads are misses). Before, the CLI gave the S3 code alone, and the serving node said nothing:
+    its reads of a missing bucket were plain misses, a refused read only a counter; a redirect
+    was an unreachable remote, its message cut off before the word region."""
     import logging
 
     keys = bucket_of(tmp_path, endpoint, prefix, 3)
     url, upstream, proxy = f"s3://{BUCKET}/{prefix}", endpoint.url, None
     if mistake == "bucket":
         url = f"s3://no-such-bucket/{prefix}"
-    if mistake == "region":  # as AWS S3 answers a request signed for another region
-        proxy = FaultyProxy(endpoint.url, lambda m, p, h: "400 AuthorizationHeaderMalformed")
+    if mistake.startswith("region"):  # as AWS S3 answers a request signed for, or sent to, another region
+        answer = "400 AuthorizationHeaderMalformed" if mistake == "region" else "301 PermanentRedirect"
+        proxy = FaultyProxy(endpoint.url, lambda m, p, h: answer)
         upstream = proxy.url
-    setting = {"bucket": "remote.url", "credentials": "AWS_ACCESS_KEY_ID", "region": "remote.region"}[mistake]
+    setting = {"bucket": "remote.url", "credentials": "AWS_ACCESS_KEY_ID"}.get(mistake, "remote.region")
     config = tmp_path / "gdskv.toml"
     config.write_text(f'[gdskv]\n[gdskv.remote]\nurl = "{url}"\nendpoint = "{upstream}"\n')
     monkeypatch.setenv("GDSKV_CONFIG", str(config))

@@ -99,6 +99,8 @@ def _classify(e: BaseException, writing: bool = False) -> Reply:
         return Reply(Outcome.REFUSED, detail=_first_line(e))
     if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
         return Reply(Outcome.UNREACHABLE, detail="timed out")
+    if _BARE_REDIRECT in str(e):  # AWS S3's 301 to a bucket's own region: an answer, and a setting's mistake
+        return Reply(Outcome.REFUSED, detail=_first_line(e))
     m = _STATUS.search(str(e))
     if m and m.group(1).startswith("4") and m.group(1) not in ("408", "429"):
         return Reply(Outcome.REFUSED, detail=_first_line(e))
@@ -110,7 +112,12 @@ def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     line = text.splitlines()[0] if text else ""
     code = re.search(r"<Code>(\w+)</Code>", text)
-    return f"{type(e).__name__}: {line[:240]}" + (code_note(code.group(1)) if code else "")
+    note = code_note(code.group(1)) if code else code_note("PermanentRedirect") if _BARE_REDIRECT in text else ""
+    return f"{type(e).__name__}: {line[:240]}" + note
+
+
+_BARE_REDIRECT = "Received redirect without LOCATION"
+"""How obstore reports the 301 (without a ``Location``) that AWS S3 answers for a bucket of another region."""
 
 
 SETTING_OF_CODE = {

@@ -173,7 +173,7 @@ class _Signer:
                 body = r.read()
         except urllib.error.HTTPError as e:
             status, detail = e.code, _first_line(e) + _code_of(e)
-            refused = 400 <= status < 500 and status not in (408, 429)
+            refused = 300 <= status < 500 and status not in (408, 429)  # a 3xx here had no location to follow
             raise RemoteUnavailable(f"listing {self.where}: {'refused' if refused else 'unreachable'}: {detail}",
                                     Outcome.REFUSED if refused else Outcome.UNREACHABLE) from None
         except (OSError, http.client.HTTPException, ValueError) as e:  # URLError, a reset, a timeout, a cut body
