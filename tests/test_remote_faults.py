@@ -349,3 +349,63 @@ def test_a_pull_over_a_slow_link_is_given_the_time_its_bytes_need(tmp_path, endp
     finally:
         client.close()
         proxy.close()
+
+
+def test_the_endpoint_going_away_mid_pull_and_mid_lookup(tmp_path, prefix):
+    """A moto server of this test's own is stopped while a pull fetches (after 40 chunk GETs),
+    and again while a serving node reads a prefix through: the pull ends within seconds with
+    what it had verified published and the rest counted unreachable (exit-1 counts); the lookup
+    returns within its timeout with the blocks it had, and the local store holds only sound
+    chunks."""
+    from remote_helpers import MotoEndpoint
+
+    own = MotoEndpoint()
+    stopped = []
+    try:
+        n = 300
+        keys = bucket_of(tmp_path, own, prefix, n)
+        port = own.port
+
+        def stop_after(limit: int):
+            seen = [0]
+
+            def fault(m: str, p: str, h) -> None:
+                if chunk_get(m, p, h):
+                    seen[0] += 1
+                    if seen[0] == limit and not stopped:
+                        stopped.append(True)
+                        own.stop()
+                return None
+            return fault
+
+        proxy = FaultyProxy(own.url, stop_after(40))
+        client = ObjectClient(RemoteConfig(**remote_table(proxy.url, prefix)), request_timeout=2.0)
+        store = PageStore.open(tmp_path / "b", create=True)
+        t0 = time.monotonic()
+        rep = pull(store, client, None)
+        took = time.monotonic() - t0
+        client.close()
+        assert took < 10, took
+        assert 0 < rep.counts["pulled"] < n and rep.counts["pulled"] + rep.counts["unreachable"] == n, rep.counts
+        assert rep.unreachable
+        (ns,) = store.namespaces()
+        assert sum(ns.contains_many(0, keys)) == rep.counts["pulled"]
+        assert CliRunner().invoke(main, ["--store", str(tmp_path / "b"), "verify"]).exit_code == 0
+
+        own = MotoEndpoint(port)  # back (moto keeps its objects in this process), then away again mid-lookup
+        stopped.clear()
+        proxy.fault = stop_after(20)
+        node = KvService(GdsKvConfig(store_path=str(tmp_path / "c"), remote=remote_table(proxy.url, prefix, timeout="1s",
+                                                                                        upload="off")), SPEC,
+                         transfers=False)
+        t0 = time.monotonic()
+        found = node.lookup(list(range(n * 4 + 1)), None)
+        took = time.monotonic() - t0
+        node.close()
+        assert stopped and took < 1.5, took
+        assert 0 <= found.num_new_tokens < n * 4
+        assert CliRunner().invoke(main, ["--store", str(tmp_path / "c"), "verify"]).exit_code == 0
+        proxy.close()
+    finally:
+        if not stopped:
+            own.stop()
