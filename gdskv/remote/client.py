@@ -236,9 +236,11 @@ class ObjectClient:
         the deadline. ``in_order``: once ``then`` returns something false for a key, keys after
         it whose request has not started are not asked (their entry is None). ``max_bytes``:
         as ``get_async``'s, for every key. ``stop``: asked after each ``then``; once it is true,
-        keys whose request has not started are not asked (None) and requests in flight are
-        abandoned (the timed-out reply): a pull gives up on a remote that stopped answering at
-        its first reply saying so, not after every key has waited out its own timeout.
+        keys whose request has not started are not asked (None), requests in flight are
+        abandoned (the timed-out reply), and replies being handed to ``then`` are waited for
+        (within ``timeout``, so the list says what ``then`` did): a pull gives up on a remote
+        that stopped answering at its first reply saying so, not after every key has waited out
+        its own timeout.
         ``in_flight``: at most that many of these requests at once (fewer than ``concurrency``
         where each reply is held whole and may be large: ``gdskv.remote.copy.fetch``)."""
         if not keys:
@@ -246,6 +248,8 @@ class ObjectClient:
         loop = self._loop
         first_false = [len(keys)]
         stopped = [False]
+        settling: set[asyncio.Task] = set()
+        """The requests whose reply is being handed to ``then`` now."""
 
         async def ask(i: int, key: str) -> Optional[Reply]:
             if i > first_false[0] or stopped[0]:
@@ -260,7 +264,12 @@ class ObjectClient:
                     reply = await self._bounded(lambda: ask(i, key))
             if reply is None or then is None:
                 return reply
-            out = await loop.run_in_executor(self._workers, then, i, reply)
+            me = asyncio.current_task()
+            settling.add(me)
+            try:
+                out = await loop.run_in_executor(self._workers, then, i, reply)
+            finally:
+                settling.discard(me)
             if in_order and not out:
                 first_false[0] = min(first_false[0], i)
             if stop is not None and stop():
@@ -273,8 +282,13 @@ class ObjectClient:
             mine = asyncio.Semaphore(max(1, in_flight)) if in_flight is not None else None
             tasks = [asyncio.ensure_future(one(i, k, halt, mine)) for i, k in enumerate(keys)]
             ends = [asyncio.ensure_future(asyncio.wait(tasks)), asyncio.ensure_future(halt.wait())]
-            await asyncio.wait(ends, timeout=max(0.0, timeout - RETURN_MARGIN * min(1.0, timeout)),
-                               return_when=asyncio.FIRST_COMPLETED)
+            end = loop.time() + max(0.0, timeout - RETURN_MARGIN * min(1.0, timeout))
+            await asyncio.wait(ends, timeout=end - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+            if halt.is_set() and settling:  # replies already being handed over end as they do (within the deadline)
+                for t in tasks:
+                    if t not in settling:
+                        t.cancel()
+                await asyncio.wait(list(settling), timeout=max(0.0, end - loop.time()))
             for t in tasks + ends:
                 t.cancel()
             return [t.result() if t.done() and not t.cancelled() else Reply(Outcome.UNREACHABLE, detail="timed out")
