@@ -34,13 +34,14 @@ def push_namespaces_of(ctx: click.Context, namespaces: list, blocks_of: Optional
     out = {"remote": cfg.remote.url, "namespaces": [ns.id for ns in namespaces], "uploaded": c["remote_uploaded"],
            "already_there": c["remote_upload_exists"], "skipped": c["remote_upload_skipped"],
            "refused": c["remote_upload_refused"], "failed": c["remote_upload_failed"], "unreachable": rep.unreachable or None,
-           "unaddressable": c["remote_unaddressable_keys"]}
+           "refused_listing": rep.refused or None, "unaddressable": c["remote_unaddressable_keys"]}
     line = (f"pushed {out['uploaded']} chunk(s) of {len(namespaces)} namespace(s) to {out['remote']}; "
             f"{out['already_there']} already there, {out['skipped']} skipped (gone or unsound locally)"
             + (f", {out['refused']} refused" if out["refused"] else "")
             + (f"; {skipped_keys(out['unaddressable'])}" if out["unaddressable"] else "")
-            + (f"; remote unreachable: {rep.unreachable}" if rep.unreachable else ""))
-    return out, not (rep.unreachable or out["refused"] or out["failed"]), line
+            + (f"; remote unreachable: {rep.unreachable}" if rep.unreachable else "")
+            + (f"; the remote refused: {rep.refused}" if rep.refused else ""))
+    return out, not (rep.unreachable or rep.refused or out["refused"] or out["failed"]), line
 
 
 @click.command()

@@ -223,6 +223,25 @@ def test_wrong_settings_are_named_by_the_cli_and_warned_once_by_a_serving_node(t
             proxy.close()
 
 
+def test_a_push_the_remote_refuses_says_refused_not_unreachable(tmp_path, endpoint, prefix, monkeypatch):
+    """Credentials the endpoint does not know: ``gdskv push`` fails in one line that says the
+    remote refused and names the credentials; it said "remote unreachable" before."""
+    bucket_of(tmp_path, endpoint, prefix, 3)
+    config = tmp_path / "gdskv.toml"
+    config.write_text(f'[gdskv]\n[gdskv.remote]\nurl = "s3://{BUCKET}/{prefix}-2"\nendpoint = "{endpoint.url}"\n')
+    monkeypatch.setenv("GDSKV_CONFIG", str(config))
+    enforce_auth(endpoint, "0")
+    try:
+        r = CliRunner().invoke(main, ["--store", str(tmp_path / "a"), "push"], catch_exceptions=False)
+        j = CliRunner().invoke(main, ["--store", str(tmp_path / "a"), "push", "--json"], catch_exceptions=False)
+    finally:
+        enforce_auth(endpoint, "inf")
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "refused" in r.output and "unreachable" not in r.output and "AWS_ACCESS_KEY_ID" in r.output, r.output
+    doc = json.loads(j.stdout)
+    assert j.exit_code == 1 and doc["unreachable"] is None and "AWS_ACCESS_KEY_ID" in doc["refused_listing"], j.stdout
+
+
 # --- a bucket whose namespace document declares huge pages -----------------------------------------
 
 @pytest.mark.parametrize("what", ["pull", "verify"])

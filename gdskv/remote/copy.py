@@ -68,7 +68,9 @@ class CopyReport:
 
     counts: Counter = field(default_factory=Counter)
     unreachable: str = ""
-    """Why the remote could not be used (unreachable, or it refused to list), when so."""
+    """Why the remote could not be reached, when so."""
+    refused: str = ""
+    """Why the remote refused a push's listing (credentials, bucket, region), when it did."""
     unaddressable: set[str] = field(default_factory=set)
     """The keys a pull's listings left out (``gdskv.remote.listing.addressable``)."""
 
@@ -115,7 +117,7 @@ def push(namespaces: Sequence[Namespace], client: ObjectClient, rc: RemoteConfig
                 list(pool.map(lambda t: up.upload(*t) if health.reachable else None, todo))
     finally:
         up.close()
-    report.unreachable = health.detail or up.listing_refused
+    report.unreachable, report.refused = health.detail, up.listing_refused
     return report
 
 
