@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STORE_SCAN_SECONDS = 60.0
-"""How old a scanned store size may be when no byte budget keeps a running figure."""
+"""How old a scanned store size may be when no budget (a process that only looks up) keeps a running figure."""
 
 
 @dataclass
@@ -99,7 +99,7 @@ class ProcessMetrics:
             size.nbytes = used
         elif time.monotonic() - size.at > STORE_SCAN_SECONDS:
             size.at = time.monotonic()
-            try:  # the chunk index (milliseconds at any size); a store that never had a budget has none: walked
+            try:  # the chunk index (milliseconds at any size); a store no writing process indexed has none: walked
                 try:
                     summary = catalog.totals(store)
                     size.nbytes, size.chunks = summary.nbytes, summary.chunks
