@@ -18,6 +18,7 @@ from gdskv import eviction as ev
 from gdskv.cli.main import main as cli_main
 from gdskv.config import GdsKvConfig
 from gdskv.eviction import Budget, ChunkInfo, Limits, catalog, install_budget, pick_victims, scan_store, select_victims, shortfall
+from gdskv.eviction.budget import UNLIMITED_REFRESH_S
 from gdskv.io.posix import PosixEngine
 from gdskv.keys import chain_keys
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
@@ -533,6 +534,7 @@ def test_eviction_order_survives_reopen_through_mtime(tmp_path: Path) -> None:
 def test_a_budget_without_limits_admits_every_save_and_journals_it(rig: _Rig) -> None:
     budget = install_budget(rig.store, GdsKvConfig(store_path=str(rig.store.root)))
     assert rig.store.budget is budget and not budget.evicts
+    assert budget.refresh_seconds == UNLIMITED_REFRESH_S  # its counts are seldom: nothing waits on them
     assert rig.save_chain(list(range(40 * TPB))) == [SaveStatus.PUBLISHED] * 40
     assert catalog.totals(rig.store).chunks == 40  # journaled as a budget's saves are
 

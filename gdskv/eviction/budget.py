@@ -37,6 +37,11 @@ LOOK_AHEAD = 4
 """An eviction's later rounds read the recency of the chunks that would free this many times the
 bytes still wanted from their files before ranking again."""
 
+UNLIMITED_REFRESH_S = 60.0
+"""How often a budget without a limit reads the index: only its folds, its walks and the metrics'
+store size depend on the count, and a count every 2 s on the engine's CPUs slowed decode steps
+with saves running (``scripts/bench_ttft.py --only decode``)."""
+
 DiskUsage = Callable[[str], tuple[int, int]]
 Lineage = Callable[[], tuple[Optional[bytes], Sequence[bytes]]]
 
@@ -464,7 +469,7 @@ def install_budget(store: PageStore, cfg: GdsKvConfig, wait_seconds: float = 0.5
     limits = Limits.of(cfg)
     if isinstance(store.budget, Budget) and store.budget.limits == limits:
         return store.budget
-    budget = Budget(store, limits)
+    budget = Budget(store, limits, refresh_seconds=2.0 if limits.active else UNLIMITED_REFRESH_S)
     store.budget = budget
     budget.start_background()
     if limits.active:  # without a limit nothing waits on the count
