@@ -34,7 +34,8 @@ Modules, each usable on its own (``gdskv.eviction`` re-exports their names, so
   process, not left for the walk.
 - **Budget** (``budget.py``) — ``Budget`` implements the hook ``PageTransfer`` calls on ``store.budget``
   (``admit`` / ``on_publishing`` / ``on_published`` / ``pin`` / ``unpin``); ``install_budget(store, cfg)``
-  sets it at bring-up when the config has a byte budget or a free-space floor.
+  sets it at bring-up in every process that writes chunks (without a byte budget or a free-space
+  floor it only keeps the chunk index).
 
 Recency is the chunk file's mtime: loads (``PageTransfer``) and lookups (``Namespace.touch_many``)
 refresh it, so it survives restarts and is shared by every process on the store. Callers: the

@@ -203,13 +203,13 @@ class Budget:
     def evict(self, need: int, protect: Sequence[str] = ()) -> Removal:
         """Remove at least ``need`` bytes plus the headroom, least recently used first, from the
         index; pinned chunks, ``protect`` and their ancestors stay. Chunks used since the index
-        last saw them (a load stamps its chunk after the lookup journaled it) are kept. The ranking is then made again, up to
-        ``EVICT_ROUNDS`` times while ``need`` itself is not met, after reading the recency of
-        the chunks it would choose among (``LOOK_AHEAD`` times the bytes still wanted) from their
-        files, so a stale index costs a few ``lstat``s, not the save. The index is read once: a
-        later ranking is made on the same table less the chunks removed (at ten million chunks
-        a reading takes seconds, and other saves that need room wait meanwhile). Caller holds
-        ``_evicting``."""
+        last saw them (a load stamps its chunk after the lookup journaled it) are kept. The
+        ranking is then made again, up to ``EVICT_ROUNDS`` times while ``need`` itself is not
+        met, after reading the recency of the chunks it would choose among (``LOOK_AHEAD`` times
+        the bytes still wanted) from their files, so a stale index costs a few ``lstat``s, not
+        the save. The index is read once: a later ranking is made on the same table less the
+        chunks removed (at ten million chunks a reading takes seconds, and other saves that need
+        room wait meanwhile). Caller holds ``_evicting``."""
         base = self.limits.max_bytes or self.limits.floor_bytes(self.disk_usage(str(self.store.root))[0])
         want = need + int(self.headroom * base)
         done = Removal()
