@@ -105,6 +105,8 @@ def verify(ctx: click.Context, repair: bool, namespace: Optional[str], threads: 
     foreign = [{"namespace": a.ns_id, "group": a.group, "path": e.path} for a, e in entries
                if e.lo is None and not fmt.is_temp_name(e.name)]
     foreign += [{"namespace": a.ns_id, "group": a.group, "path": path} for a in arrays for path in store.skipped_entries(a)]
+    if chosen is None:
+        foreign += [{"namespace": None, "group": None, "path": path} for path in store.linked_trees()]
     counts: Counter[str] = Counter()
     bad: list[dict[str, object]] = []
     with Work("verify", len(files), "chunks", status_every(ctx), bar=not as_json) as work, ThreadPoolExecutor(threads) as pool:

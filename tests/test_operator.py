@@ -247,6 +247,24 @@ def test_verify_reports_a_chunk_directory_linked_elsewhere_and_leaves_it(tmp_pat
     assert "1 foreign file left alone" in cli(tmp_path / "store", "verify").stdout
 
 
+@pytest.mark.parametrize("level", ["namespace", "group"])
+def test_verify_reports_a_namespace_or_group_directory_linked_elsewhere_and_leaves_it(tmp_path: Path, level: str) -> None:
+    """A namespace (or layer-group) directory replaced by a link is never entered, and was
+    skipped without a word, as chunk directories were before."""
+    store = fill(tmp_path / "store")
+    [array] = store.arrays()
+    linked = Path(array.path) if level == "group" else Path(array.path).parent
+    elsewhere = tmp_path / "elsewhere"
+    linked.rename(elsewhere)
+    linked.symlink_to(elsewhere)
+    before = sorted(p.relative_to(elsewhere) for p in elsewhere.rglob("*"))
+    res = cli(tmp_path / "store", "verify", "--repair", "--json")
+    assert res.exit_code == 0, res.output
+    assert [f["path"] for f in json.loads(res.stdout)["foreign"]] == [str(linked)]
+    assert linked.is_symlink() and sorted(p.relative_to(elsewhere) for p in elsewhere.rglob("*")) == before
+    assert "1 foreign file left alone" in cli(tmp_path / "store", "verify").stdout
+
+
 # --- output that is not a terminal -------------------------------------------------------------------
 def test_non_terminal_output_tables_are_full_width_not_80_columns(tmp_path: Path) -> None:
     fill(tmp_path / "store", model="organisation/a-model-name-long-enough-to-be-cut-at-eighty-columns-in-a-table")

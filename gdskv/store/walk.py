@@ -131,6 +131,18 @@ class Walking:
                 if e.kind != "dir" or e.name != "0":
                     yield f"{self.root}/{base}/{hi.name}/{e.name}"
 
+    def linked_trees(self) -> Iterator[str]:
+        """The namespace and layer-group directories that are links (``ns/<id>``,
+        ``ns/<id>/g<gid>``): ``arrays`` never enters them, so their chunks are not the store's.
+        Called by ``gdskv verify``, which reports them as not gdskv's."""
+        for e in sorted(self.fs.scandir("ns"), key=lambda e: e.name):
+            if e.kind == "link":
+                yield f"{self.root}/ns/{e.name}"
+            elif e.kind == "dir" and NAMESPACE_ID.match(e.name):
+                for g in sorted(self.fs.scandir(f"ns/{e.name}"), key=lambda g: g.name):
+                    if g.kind == "link":
+                        yield f"{self.root}/ns/{e.name}/{g.name}"
+
     def iter_chunk_files(self, namespaces: Optional[Sequence[Namespace]] = None) -> Iterator[tuple[Namespace, int, ChunkEntry]]:
         """Every published chunk file of sound ``namespaces`` (default all): ``(namespace,
         group, entry)``. Called by tests and tools that read chunks."""
