@@ -204,6 +204,22 @@ def first(n: int, matches: Any, what: str) -> Any:
     return fault
 
 
+def save_chain(service: Any, keys: list[bytes], seed: int) -> None:
+    """Save ``keys`` as one chain through ``service`` (a ``KvService``), each page random bytes
+    drawn from ``seed``, each published before the next is saved, then close it: the store the
+    remote tests push from."""
+    import torch
+
+    from gdskv.transfer import SaveStatus
+
+    g = torch.Generator().manual_seed(seed)
+    page = service.namespace.spec.groups[0].bytes_per_page
+    for i, k in enumerate(keys):
+        page_bytes = torch.randint(0, 256, (page,), dtype=torch.uint8, generator=g)
+        assert service.save(0, k, keys[i - 1] if i else None, [page_bytes]).result(timeout=60) is SaveStatus.PUBLISHED
+    service.close()
+
+
 def remote_table(endpoint: str, prefix: str = "kv", **extra: Any) -> dict[str, Any]:
     return {"url": f"s3://{BUCKET}/{prefix}", "endpoint": endpoint, "region": "us-east-1", **extra}
 

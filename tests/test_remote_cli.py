@@ -13,7 +13,7 @@ from gdskv.keys import chain_keys
 from gdskv.remote.objects import chunk_key
 from gdskv.service import KvService
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
-from remote_helpers import BUCKET
+from remote_helpers import BUCKET, save_chain
 
 SPEC = NamespaceSpec("remote-cli", "float16", 4, (GroupSpec(0, 2048, (0,)),))
 KEYS = chain_keys(list(range(6 * 4 + 1)), 4)
@@ -34,10 +34,7 @@ def gdskv(store, *args: str):
 
 def local_store(path) -> KvService:
     svc = KvService(GdsKvConfig(store_path=str(path)), SPEC)
-    g = torch.Generator().manual_seed(5)
-    for i, k in enumerate(KEYS):
-        assert svc.save(0, k, KEYS[i - 1] if i else None, [torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=g)]).result()
-    svc.close()
+    save_chain(svc, KEYS, 5)
     return svc
 
 
@@ -125,10 +122,7 @@ def test_pull_into_a_store_at_its_budget_takes_whole_chains(tmp_path, config, en
     budget makes room for each, keeping the parent on its way, instead of refusing it as an orphan."""
     keys = chain_keys(list(range(40 * 4 + 1)), 4)
     a = KvService(GdsKvConfig(store_path=str(tmp_path / "a")), SPEC)
-    g = torch.Generator().manual_seed(6)
-    for i, k in enumerate(keys):
-        assert a.save(0, k, keys[i - 1] if i else None, [torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=g)]).result()
-    a.close()
+    save_chain(a, keys, 6)
     assert gdskv(tmp_path / "a", "push").exit_code == 0
     chunk = a.namespace.chunk_nbytes(0)
     config.write_text(config.read_text().replace("[gdskv]\n", f"[gdskv]\nmax_bytes = {44 * chunk}\n", 1))

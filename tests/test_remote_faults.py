@@ -7,7 +7,6 @@ import json
 import time
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from gdskv.cli.main import main
@@ -17,8 +16,7 @@ from gdskv.remote import ObjectClient, Outcome, RemoteUnavailable
 from gdskv.remote.copy import pull, push, verify_remote
 from gdskv.service import KvService
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
-from gdskv.transfer import SaveStatus
-from remote_helpers import BUCKET, FaultyProxy, first, remote_table
+from remote_helpers import BUCKET, FaultyProxy, first, remote_table, save_chain
 
 pytestmark = pytest.mark.usefixtures("aws_credentials")
 
@@ -97,11 +95,7 @@ def bucket_of(tmp_path, endpoint, prefix: str, n: int) -> list[bytes]:
     """A store of ``n`` chained blocks, pushed under ``prefix``; their keys."""
     keys = chain_keys(list(range(n * 4 + 1)), 4)
     a = KvService(GdsKvConfig(store_path=str(tmp_path / "a"), remote=remote_table(endpoint.url, prefix, upload="off")), SPEC)
-    g = torch.Generator().manual_seed(3)
-    futs = [a.save(0, k, keys[i - 1] if i else None, [torch.randint(0, 256, (256,), dtype=torch.uint8, generator=g)])
-            for i, k in enumerate(keys)]
-    assert all(f.result(timeout=60) is SaveStatus.PUBLISHED for f in futs)
-    a.close()
+    save_chain(a, keys, 3)
     up = ObjectClient(RemoteConfig(**remote_table(endpoint.url, prefix)))
     try:
         assert push([a.namespace], up, up.rc, None).counts["remote_uploaded"] == n
@@ -333,13 +327,9 @@ def test_uploads_the_remote_refuses_are_warned_once_not_per_chunk(tmp_path, endp
     try:
         svc = KvService(GdsKvConfig(store_path=str(tmp_path / "a"), remote=remote_table(endpoint.url, prefix,
                                                                                        upload="through")), SPEC)
-        g = torch.Generator().manual_seed(5)
+        counters = svc.namespace.counters
         with caplog.at_level(logging.WARNING, logger="gdskv.remote"):
-            for i, k in enumerate(keys):
-                page = torch.randint(0, 256, (256,), dtype=torch.uint8, generator=g)
-                assert svc.save(0, k, keys[i - 1] if i else None, [page]).result(timeout=30) is SaveStatus.PUBLISHED
-            counters = svc.namespace.counters
-            svc.close()
+            save_chain(svc, keys, 5)
     finally:
         enforce_auth(endpoint, "inf")
     assert counters["remote_upload_refused"] == len(keys)

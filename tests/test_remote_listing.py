@@ -10,7 +10,6 @@ import logging
 import re
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from gdskv.cli.main import main
@@ -20,7 +19,7 @@ from gdskv.remote import ObjectClient
 from gdskv.remote.objects import chunk_key
 from gdskv.service import KvService
 from gdskv.store import GroupSpec, NamespaceSpec, PageStore
-from remote_helpers import BUCKET, MotoEndpoint, free_port, remote_table, wait_for
+from remote_helpers import BUCKET, MotoEndpoint, free_port, remote_table, save_chain, wait_for
 
 pytestmark = pytest.mark.usefixtures("aws_credentials")
 
@@ -171,10 +170,7 @@ def test_leftovers_go_up_past_keys_obstore_cannot_name(tmp_path, endpoint, caplo
     prefix = "leftovers"
     down = f"http://127.0.0.1:{free_port()}"
     a = KvService(GdsKvConfig(store_path=str(tmp_path / "a"), remote=remote_table(down, prefix, drain="100ms")), SPEC)
-    g = torch.Generator().manual_seed(7)
-    for i, k in enumerate(KEYS):
-        assert a.save(0, k, KEYS[i - 1] if i else None, [torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=g)]).result()
-    a.close()
+    save_chain(a, KEYS, 7)
     ns_id = a.namespace.id
     put_keys(endpoint, prefix, hostile_keys(ns_id))
     with caplog.at_level(logging.WARNING, logger="gdskv.remote.upload"):
@@ -204,10 +200,7 @@ def test_pull_and_the_remote_views_skip_and_count_keys_obstore_cannot_name(tmp_p
                       f'upload = "off"\n')
     monkeypatch.setenv("GDSKV_CONFIG", str(config))
     a = KvService(GdsKvConfig(store_path=str(tmp_path / "a")), SPEC)
-    g = torch.Generator().manual_seed(8)
-    for i, k in enumerate(KEYS):
-        assert a.save(0, k, KEYS[i - 1] if i else None, [torch.randint(0, 256, (2048,), dtype=torch.uint8, generator=g)]).result()
-    a.close()
+    save_chain(a, KEYS, 8)
     assert gdskv(tmp_path / "a", "push").exit_code == 0
     ns_id = a.namespace.id
     real = endpoint.s3.get_object(Bucket=BUCKET, Key=f"{prefix}/{chunk_key(a.namespace, 0, KEYS[0])}")["Body"].read()
