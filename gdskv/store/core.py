@@ -47,8 +47,8 @@ class PageStore(Walking):
         """Absolute and normalized, as ``fs`` names the root: the chunk paths built from it are
         the paths ``fs`` takes as inside the store (a relative root's would be taken as relative
         to the store, a ``..`` in it as leaving it)."""
-        self.private = root / PRIVATE_DIR
-        self.fs = ConfinedDir(root, file_mode, dir_mode)
+        self.private = self.root / PRIVATE_DIR
+        self.fs = ConfinedDir(self.root, file_mode, dir_mode)
         self._namespaces: dict[str, Namespace] = {}
         self._lock = threading.Lock()
         self.budget: Optional[CapacityBudget] = None
