@@ -37,6 +37,8 @@ LOOK_AHEAD = 4
 """An eviction's later rounds read the recency of the chunks that would free this many times the
 bytes still wanted from their files before ranking again."""
 
+REFRESH_S = 2.0
+"""How often a budget with a limit reads the index, for what other processes saved and evicted since."""
 UNLIMITED_REFRESH_S = 60.0
 """How often a budget without a limit reads the index: only its folds, its walks and the metrics'
 store size depend on the count, and a count every 2 s on the engine's CPUs slowed decode steps
@@ -86,7 +88,7 @@ class Budget:
     injectable for tests.
     """
 
-    def __init__(self, store: PageStore, limits: Limits, headroom: float = 0.05, refresh_seconds: float = 2.0,
+    def __init__(self, store: PageStore, limits: Limits, headroom: float = 0.05, refresh_seconds: float = REFRESH_S,
                  max_wait_seconds: float = 2.0, disk_usage: DiskUsage = disk_usage, clock: Callable[[], float] = time.monotonic,
                  block_size: Optional[int] = None, rewalk_seconds: float = 24 * 3600.0, compact_records: int = 1 << 18) -> None:
         self.store = store
@@ -469,7 +471,7 @@ def install_budget(store: PageStore, cfg: GdsKvConfig, wait_seconds: float = 0.5
     limits = Limits.of(cfg)
     if isinstance(store.budget, Budget) and store.budget.limits == limits:
         return store.budget
-    budget = Budget(store, limits, refresh_seconds=2.0 if limits.active else UNLIMITED_REFRESH_S)
+    budget = Budget(store, limits, refresh_seconds=REFRESH_S if limits.active else UNLIMITED_REFRESH_S)
     store.budget = budget
     budget.start_background()
     if limits.active:  # without a limit nothing waits on the count
